@@ -1,0 +1,42 @@
+"""hyper_parallel: one line per parallelism for long-context transformers.
+
+Names are resolved lazily so that ``import hyper_parallel`` never imports a framework before
+``HP_PLATFORM`` is read.
+"""
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "DeviceMesh": "hyper_parallel.core.dtensor",
+    "init_device_mesh": "hyper_parallel.core.dtensor",
+    "DTensor": "hyper_parallel.core.dtensor",
+    "Shard": "hyper_parallel.core.dtensor",
+    "StridedShard": "hyper_parallel.core.dtensor",
+    "Replicate": "hyper_parallel.core.dtensor",
+    "Partial": "hyper_parallel.core.dtensor",
+    "distribute_tensor": "hyper_parallel.core.dtensor",
+    "distribute_module": "hyper_parallel.core.dtensor",
+    "CommDebugMode": "hyper_parallel.core.comm_mode",
+    "get_platform": "hyper_parallel.platform",
+    "ParallelStyle": "hyper_parallel.core.tensor_parallel",
+    "ColwiseParallel": "hyper_parallel.core.tensor_parallel",
+    "RowwiseParallel": "hyper_parallel.core.tensor_parallel",
+    "SequenceParallel": "hyper_parallel.core.tensor_parallel",
+    "PrepareModuleInput": "hyper_parallel.core.tensor_parallel",
+    "PrepareModuleOutput": "hyper_parallel.core.tensor_parallel",
+    "PrepareModuleInputOutput": "hyper_parallel.core.tensor_parallel",
+    "NoParallel": "hyper_parallel.core.tensor_parallel",
+    "parallelize_module": "hyper_parallel.core.tensor_parallel",
+    "loss_parallel": "hyper_parallel.core.tensor_parallel",
+    "ContextParallel": "hyper_parallel.core.context_parallel",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hyper_parallel' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,9 @@
+"""Distributed tensors: DeviceMesh, placements, DTensor, redistribution and op dispatch."""
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, current_mesh, init_device_mesh
+from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard, StridedShard
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.dtensor.api import distribute_module, distribute_tensor
+from hyper_parallel.core.dtensor import ops  # noqa: F401  (registers the sharding rules)
+
+__all__ = ["DeviceMesh", "init_device_mesh", "current_mesh", "Placement", "Shard", "StridedShard",
+           "Replicate", "Partial", "DTensor", "distribute_tensor", "distribute_module"]

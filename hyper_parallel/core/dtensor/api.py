@@ -1,0 +1,63 @@
+"""distribute_tensor / distribute_module: turn ordinary tensors and modules into DTensor ones."""
+from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
+from hyper_parallel.core.dtensor.placement_types import Replicate, normalize_placements
+from hyper_parallel.core.dtensor.spec import DTensorSpec
+from hyper_parallel.platform import get_platform
+
+
+def _broadcast_from(tensor, mesh, src_rank):
+    """Every rank of ``mesh`` gets ``src_rank``'s ``tensor``: one broadcast per mesh dim, each from
+    the rank in the line that already holds the data."""
+    if src_rank not in mesh.rank_list:
+        raise ValueError(f"src_data_rank={src_rank} is not a rank of {mesh}; pick one of {mesh.rank_list} "
+                         f"or None to use each rank's own copy")
+    platform = get_platform()
+    import numpy as np
+    grid = np.asarray(mesh.rank_list).reshape(mesh.mesh_shape)
+    src_coord = [int(c) for c in np.argwhere(grid == src_rank)[0]]
+    me = list(mesh.get_coordinate())
+    for m in range(mesh.ndim):
+        coord = me[:m] + [src_coord[m]] + me[m + 1:]
+        tensor = platform.broadcast(tensor, int(grid[tuple(coord)]), mesh.get_group(m))
+    return tensor
+
+
+def distribute_tensor(tensor, device_mesh, placements=None, *, src_data_rank=0):
+    """Shard or replicate a global ``tensor`` over ``device_mesh``.
+
+    With ``src_data_rank`` (a global rank) the data really comes from that rank; with None every
+    rank slices its own (identical) copy and nothing is communicated.
+    """
+    placements = placements or [Replicate()] * device_mesh.ndim
+    placements = normalize_placements(placements, tensor.ndim, device_mesh.ndim)
+    requires_grad = tensor.requires_grad
+    data = tensor.detach()
+    if src_data_rank is not None:
+        data = _broadcast_from(data, device_mesh, src_data_rank)
+    full = DTensorSpec(device_mesh, (Replicate(),) * device_mesh.ndim, tuple(tensor.shape))
+    local = as_layout(DTensor._make(data, full), full.with_placements(placements))._local_tensor
+    out = DTensor._make(local.contiguous(), full.with_placements(placements), requires_grad=requires_grad)
+    return out
+
+
+def _replicate_params(name, module, mesh):
+    platform = get_platform()
+    for pname, param in list(platform.named_parameters(module)):
+        if param is not None and not isinstance(param, DTensor):
+            platform.set_parameter(module, pname, distribute_tensor(param.data, mesh).requires_grad_(
+                param.requires_grad))
+
+
+def distribute_module(module, device_mesh, partition_fn=None, input_fn=None, output_fn=None):
+    """Apply ``partition_fn(name, submodule, mesh)`` to every submodule (default: replicate every
+    parameter) and install ``input_fn(module, inputs, mesh)`` / ``output_fn(module, outputs, mesh)``
+    as forward hooks."""
+    platform = get_platform()
+    partition_fn = partition_fn or _replicate_params
+    for name, submodule in module.named_modules():
+        partition_fn(name, submodule, device_mesh)
+    if input_fn is not None:
+        platform.register_forward_pre_hook(module, lambda mod, inputs: input_fn(mod, inputs, device_mesh))
+    if output_fn is not None:
+        platform.register_forward_hook(module, lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
+    return module

@@ -1,0 +1,156 @@
+"""The aten ops that reach a DTensor below autograd (see the platform's DTensorBase).
+
+These are autograd-engine internals (gradient accumulation, ``ones_like`` for ``backward()``),
+optimizer updates, in-place methods and ops with no user-level rule. Autograd is above this level,
+so the redistributions here are plain (non-differentiable) moves.
+"""
+from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
+from hyper_parallel.core.dtensor.dispatch import common_mesh
+from hyper_parallel.core.dtensor.fallback import report_missing_rule
+from hyper_parallel.core.dtensor.layout import grad_placements
+from hyper_parallel.core.dtensor.ops.elementwise import elementwise_strategy
+from hyper_parallel.core.dtensor.placement_types import Replicate
+from hyper_parallel.core.dtensor.spec import DTensorSpec
+from hyper_parallel.core.dtensor.tree import tree_flatten, tree_unflatten
+from hyper_parallel.platform import get_platform
+
+_platform = get_platform()
+
+
+def _op_name(func):
+    return getattr(getattr(func, "overloadpacket", func), "__name__", str(func))
+
+
+def _is_inplace(func):
+    schema = getattr(func, "_schema", None)
+    return bool(schema and schema.arguments and schema.arguments[0].alias_info
+                and schema.arguments[0].alias_info.is_write)
+
+
+def _as_spec(x, mesh):
+    if isinstance(x, DTensor):
+        return x._spec
+    if _platform.is_tensor(x) and x.ndim > 0:
+        return DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tuple(x.shape))
+    return None
+
+
+def _move(x, spec):
+    """The local shard of ``x`` (DTensor or replicated plain tensor) in layout ``spec``."""
+    return as_layout(x, spec)._local_tensor
+
+
+def _wrap_outputs(result, mesh, placements_for, shape_for):
+    leaves, structure = tree_flatten(result)
+    out = []
+    for i, leaf in enumerate(leaves):
+        if _platform.is_tensor(leaf) and not isinstance(leaf, DTensor):
+            leaf = DTensor._make(leaf, DTensorSpec(mesh, placements_for(i), shape_for(i, leaf)))
+        out.append(leaf)
+    return tree_unflatten(out, structure)
+
+
+def _alias(func, args, kwargs):
+    src = args[0]
+    local = func(src._local_tensor, *args[1:], **kwargs)
+    return DTensor._make(local, src._spec)
+
+
+def _like(func, args, kwargs):
+    src = args[0]
+    local = func(src._local_tensor, *args[1:], **kwargs)
+    return DTensor._make(local, src._spec.with_placements(grad_placements(src._spec.placements)))
+
+
+def _new_like(func, args, kwargs):
+    """new_empty_strided / new_zeros ... of the DTensor's own global size keep its layout."""
+    src, size = args[0], tuple(args[1])
+    if size != tuple(src.shape):
+        return _fallback(func, args, kwargs)
+    spec = src._spec.with_placements(grad_placements(src._spec.placements))
+    rest = args[2:]
+    if _op_name(func) == "new_empty_strided":
+        rest = (_contiguous_strides(spec.local_shape),) + tuple(args[3:])  # local shard: contiguous
+    local = func(src._local_tensor, list(spec.local_shape), *rest, **kwargs)
+    return DTensor._make(local, spec)
+
+
+def _contiguous_strides(shape):
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return list(reversed(strides))
+
+
+def _fill(func, args, kwargs):
+    target = args[0]
+    name = _op_name(func)
+    if name == "copy_":
+        func(target._local_tensor, _move(args[1], target._spec), *args[2:], **kwargs)
+        return target
+    if name == "fill_" and any(p.is_partial() for p in target._spec.placements):
+        raise ValueError(f"fill_ on a Partial DTensor {target._spec.placements} is ambiguous; "
+                         f"redistribute it to Replicate first")
+    func(target._local_tensor, *args[1:], **kwargs)
+    return target
+
+
+def _pointwise(func, args, kwargs):
+    leaves, structure = tree_flatten((args, kwargs))
+    mesh = common_mesh(leaves, _op_name(func))
+    specs = [_as_spec(x, mesh) for x in leaves]
+    dt_specs = [s for s in specs if s is not None]
+    inplace = _is_inplace(func)
+    out_shape = tuple(args[0].shape) if inplace else _platform.broadcast_shapes(*[s.shape for s in dt_specs])
+    operands = [_as_spec(a, mesh) for a in args if not isinstance(a, (str, type(None)))]
+    targets, out = elementwise_strategy(_op_name(func), dt_specs, operands, out_shape, mesh.ndim,
+                                        force_out=args[0]._spec.placements if inplace else None)
+    it = iter(targets)
+    locals_ = [_move(x, s.with_placements(next(it))) if s is not None else x for x, s in zip(leaves, specs)]
+    if inplace:
+        # the target is updated in place: its own shard must be the one written
+        locals_[0] = args[0]._local_tensor
+    local_args, local_kwargs = tree_unflatten(locals_, structure)
+    result = func(*local_args, **local_kwargs)
+    if inplace:
+        return args[0]
+    return _wrap_outputs(result, mesh, lambda i: out, lambda i, leaf: out_shape)
+
+
+def _foreach(func, args, kwargs):
+    """_foreach_* ops: each list position is one elementwise op (optimizers use these)."""
+    lists = [a for a in args if isinstance(a, (list, tuple))]
+    n = len(lists[0])
+    results = []
+    inplace = _op_name(func).endswith("_")
+    for i in range(n):
+        item_args = [a[i] if isinstance(a, (list, tuple)) and len(a) == n else a for a in args]
+        item_func = _platform.foreach_to_single(func)
+        results.append(_pointwise(item_func, item_args, kwargs) if item_func is not None
+                       else _fallback(func, item_args, kwargs))
+    return None if inplace else results
+
+
+def _fallback(func, args, kwargs):
+    leaves, structure = tree_flatten((args, kwargs))
+    mesh = common_mesh(leaves, _op_name(func))
+    report_missing_rule(str(getattr(func, "__name__", func)))
+    replicate = (Replicate(),) * mesh.ndim
+    full = [_move(x, x._spec.with_placements(replicate)) if isinstance(x, DTensor) else x for x in leaves]
+    local_args, local_kwargs = tree_unflatten(full, structure)
+    result = func(*local_args, **local_kwargs)
+    if _is_inplace(func):
+        target = args[0]
+        target._local_tensor.copy_(_move(DTensor._make(local_args[0], target._spec.with_placements(replicate)),
+                                         target._spec))
+        return target
+    return _wrap_outputs(result, mesh, lambda i: replicate, lambda i, leaf: tuple(leaf.shape))
+
+
+_HANDLERS = {"alias": _alias, "like": _like, "new_like": _new_like, "fill": _fill, "pointwise": _pointwise, "foreach": _foreach}
+
+
+def dispatch_aten(func, args, kwargs):
+    handler = _HANDLERS.get(_platform.aten_kind(func), _fallback)
+    return handler(func, args, kwargs)

@@ -1,0 +1,266 @@
+"""DeviceMesh: an n-D grid of global ranks with one process group per mesh dim.
+
+Every mesh keeps ``_full``: the rank grid of all its "sibling" meshes (the same slice taken at every
+other coordinate of the root) with the mesh's own dims last. Group creation walks every line of
+``_full`` in a fixed order, so all ranks create the same groups in the same order and group
+creation can never deadlock.
+"""
+import math
+import threading
+
+import numpy as np
+
+from hyper_parallel.platform import get_platform
+
+_state = threading.local()
+
+
+def _mesh_stack():
+    if not hasattr(_state, "stack"):
+        _state.stack = []
+    return _state.stack
+
+
+def current_mesh():
+    """The innermost mesh entered with ``with mesh:``, or None."""
+    stack = _mesh_stack()
+    return stack[-1] if stack else None
+
+
+class DeviceMesh:
+    def __init__(self, device_type, mesh, *, mesh_dim_names=None, _full=None, _root=None,
+                 _root_dims=None):
+        platform = get_platform()
+        array = np.asarray(mesh.tolist() if hasattr(mesh, "tolist") else mesh, dtype=np.int64)
+        if array.ndim == 0:
+            array = array.reshape(1)
+        if mesh_dim_names is not None:
+            mesh_dim_names = tuple(mesh_dim_names)
+            if len(mesh_dim_names) != array.ndim:
+                raise ValueError(f"mesh_dim_names {mesh_dim_names} has {len(mesh_dim_names)} names for a "
+                                 f"{array.ndim}-D mesh of shape {array.shape}")
+            if len(set(mesh_dim_names)) != len(mesh_dim_names):
+                raise ValueError(f"mesh_dim_names {mesh_dim_names} repeats a name")
+        if len(np.unique(array)) != array.size:
+            raise ValueError(f"mesh {array.tolist()} lists a rank twice")
+        self.device_type = device_type
+        self._mesh = array
+        self._dim_names = mesh_dim_names
+        self._root = _root
+        self._full = array.reshape((1,) + array.shape) if _full is None else _full
+        self._root_dims = _root_dims if _root_dims is not None else tuple((d,) for d in range(array.ndim))
+        self._flattened = {}
+        if not platform.is_initialized():
+            platform.init_process_group()
+        self._rank = platform.get_rank()
+        where = np.argwhere(array == self._rank)
+        self._coordinate = tuple(int(c) for c in where[0]) if len(where) else None
+        self._groups = self._create_groups(platform)
+
+    # ------------------------------------------------------------------ groups
+    def _create_groups(self, platform):
+        groups = []
+        copies = self._full.ndim - self._mesh.ndim
+        for dim in range(self._mesh.ndim):
+            lines = np.moveaxis(self._full, copies + dim, -1).reshape(-1, self._mesh.shape[dim])
+            mine = None
+            for line in lines:  # every rank walks every line in the same order
+                group = platform.new_group(tuple(int(r) for r in line))
+                if self._rank in line:
+                    mine = group
+            groups.append(mine)
+        return groups
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def ndim(self):
+        return self._mesh.ndim
+
+    @property
+    def mesh_shape(self):
+        return tuple(self._mesh.shape)
+
+    shape = mesh_shape
+
+    @property
+    def mesh(self):
+        return get_platform().tensor(self._mesh.tolist())
+
+    @property
+    def mesh_dim_names(self):
+        return self._dim_names
+
+    @property
+    def rank_list(self):
+        return tuple(int(r) for r in self._mesh.reshape(-1))
+
+    @property
+    def root_mesh(self):
+        return self._root
+
+    def size(self, dim=None):
+        return int(self._mesh.size) if dim is None else int(self._mesh.shape[self._dim_index(dim)])
+
+    def get_rank(self):
+        return self._rank
+
+    def get_coordinate(self):
+        return self._coordinate
+
+    def get_group(self, dim=None):
+        if dim is None:
+            if self.ndim != 1:
+                raise ValueError(f"get_group() of a {self.ndim}-D mesh needs a dim (index or name in "
+                                 f"{self._dim_names})")
+            dim = 0
+        return self._groups[self._dim_index(dim)]
+
+    def get_local_rank(self, dim=None):
+        if self._coordinate is None:
+            raise ValueError(f"rank {self._rank} is not part of mesh {self.rank_list}")
+        return self._coordinate[self._dim_index(0 if dim is None else dim)]
+
+    def group_ranks(self, dim):
+        """The global ranks of this rank's group along ``dim``, in mesh order."""
+        dim = self._dim_index(dim)
+        index = list(self._coordinate)
+        index[dim] = slice(None)
+        return tuple(int(r) for r in self._mesh[tuple(index)])
+
+    def _dim_index(self, dim):
+        if isinstance(dim, str):
+            if not self._dim_names or dim not in self._dim_names:
+                raise KeyError(f"mesh has no dim named {dim!r}; its dims are {self._dim_names}")
+            return self._dim_names.index(dim)
+        if not -self.ndim <= dim < self.ndim:
+            raise IndexError(f"mesh dim {dim} out of range for a {self.ndim}-D mesh")
+        return dim % self.ndim
+
+    # ------------------------------------------------------------------ slicing
+    def _root_or_self(self):
+        return self._root or self
+
+    def __getitem__(self, names):
+        names = (names,) if isinstance(names, str) else tuple(names)
+        root = self._root_or_self()
+        if len(names) == 1 and names[0] in root._flattened:
+            return root._flattened[names[0]]
+        if not self._dim_names:
+            raise KeyError("this mesh has no dim names; create it with mesh_dim_names=... to slice it")
+        missing = [n for n in names if n not in self._dim_names]
+        if missing:
+            raise KeyError(f"mesh dims {missing} not found; available: {self._dim_names} and flattened "
+                           f"{tuple(root._flattened)}")
+        if names == self._dim_names:
+            return self
+        return self._select([self._dim_names.index(n) for n in names])
+
+    def _select(self, dims):
+        """The sub-mesh over ``dims`` (in that order) that contains this rank."""
+        others = [d for d in range(self.ndim) if d not in dims]
+        index = tuple(self._coordinate[d] if d in others else slice(None) for d in range(self.ndim))
+        sub = np.transpose(self._mesh[index], np.argsort(np.argsort(dims)))
+        copies = self._full.ndim - self.ndim
+        full = np.transpose(self._full, list(range(copies)) + [copies + d for d in others] +
+                            [copies + d for d in dims])
+        return DeviceMesh(self.device_type, sub, mesh_dim_names=tuple(self._dim_names[d] for d in dims),
+                          _full=full, _root=self._root_or_self(),
+                          _root_dims=tuple(self._root_dims[d] for d in dims))
+
+    def flatten(self, name=None):
+        """This mesh as one dim (row-major); registered on the root under ``name``."""
+        name = name or "_".join(self._dim_names or (f"dim{d}" for d in range(self.ndim)))
+        root = self._root_or_self()
+        if name in root._flattened:
+            return root._flattened[name]
+        copies = self._full.ndim - self.ndim
+        full = self._full.reshape(self._full.shape[:copies] + (self._mesh.size,))
+        flat = DeviceMesh(self.device_type, self._mesh.reshape(-1), mesh_dim_names=(name,), _full=full,
+                          _root=root, _root_dims=(sum(self._root_dims, ()),))
+        root._flattened[name] = flat
+        return flat
+
+    _flatten = flatten
+
+    def _unflatten(self, dim_name, sizes, names):
+        """Split mesh dim ``dim_name`` into dims of ``sizes`` called ``names`` (a new mesh)."""
+        dim = self._dim_index(dim_name)
+        sizes, names = tuple(sizes), tuple(names)
+        if math.prod(sizes) != self._mesh.shape[dim] or len(sizes) != len(names):
+            raise ValueError(f"cannot unflatten mesh dim {dim_name!r} of size {self._mesh.shape[dim]} "
+                             f"into sizes {sizes} named {names}")
+        shape = self._mesh.shape[:dim] + sizes + self._mesh.shape[dim + 1:]
+        copies = self._full.ndim - self.ndim
+        full = self._full.reshape(self._full.shape[:copies] + shape)
+        dim_names = list(self._dim_names or (f"dim{d}" for d in range(self.ndim)))
+        dim_names[dim:dim + 1] = names
+        return DeviceMesh(self.device_type, self._mesh.reshape(shape), mesh_dim_names=tuple(dim_names),
+                          _full=full)
+
+    @staticmethod
+    def concatenate(meshes):
+        """One mesh of the dims of ``meshes`` (disjoint names, same root), in the root's dim order."""
+        meshes = list(meshes)
+        roots = {id(m._root_or_self()) for m in meshes}
+        if len(roots) != 1:
+            raise ValueError("DeviceMesh.concatenate needs meshes sliced from the same root mesh")
+        root = meshes[0]._root_or_self()
+        entries = []
+        for mesh in meshes:
+            for d in range(mesh.ndim):
+                entries.append((mesh._root_dims[d], mesh._dim_names[d] if mesh._dim_names else None))
+        names = [n for _, n in entries]
+        if None in names or len(set(names)) != len(names):
+            raise ValueError(f"DeviceMesh.concatenate needs distinct dim names, got {names}")
+        used = sorted(sum((dims for dims, _ in entries), ()))
+        if len(set(used)) != len(used):
+            raise ValueError(f"meshes {names} overlap in the root's dims")
+        entries.sort(key=lambda e: e[0][0])
+        order = sum((dims for dims, _ in entries), ())
+        others = [d for d in range(root.ndim) if d not in order]
+        index = tuple(root._coordinate[d] if d in others else slice(None) for d in range(root.ndim))
+        kept = [d for d in range(root.ndim) if d in order]
+        sub = np.transpose(root._mesh[index], [kept.index(d) for d in order])
+        sizes = [math.prod(root._mesh.shape[d] for d in dims) for dims, _ in entries]
+        copies = root._full.ndim - root.ndim
+        full = np.transpose(root._full, list(range(copies)) + [copies + d for d in others] +
+                            [copies + d for d in order])
+        lead = full.shape[:copies + len(others)]
+        return DeviceMesh(root.device_type, sub.reshape(sizes), mesh_dim_names=tuple(n for _, n in entries),
+                          _full=full.reshape(lead + tuple(sizes)), _root=root,
+                          _root_dims=tuple(dims for dims, _ in entries))
+
+    # ------------------------------------------------------------------ identity
+    def to_hash(self):
+        return (self.mesh_shape, self._dim_names, self.rank_list)
+
+    def __eq__(self, other):
+        return isinstance(other, DeviceMesh) and self.to_hash() == other.to_hash()
+
+    def __hash__(self):
+        return hash(self.to_hash())
+
+    def __repr__(self):
+        names = f", mesh_dim_names={self._dim_names}" if self._dim_names else ""
+        return f"DeviceMesh('{self.device_type}', {self._mesh.tolist()}{names})"
+
+    def __enter__(self):
+        _mesh_stack().append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _mesh_stack().pop()
+        return False
+
+
+def init_device_mesh(device_type, mesh_shape, *, mesh_dim_names=None):
+    """A mesh over all ranks (row-major), initialising the default group from the launcher env."""
+    platform = get_platform()
+    if not platform.is_initialized():
+        platform.init_process_group()
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    world = platform.get_world_size()
+    if math.prod(mesh_shape) != world:
+        raise ValueError(f"mesh_shape {mesh_shape} holds {math.prod(mesh_shape)} ranks but the world has "
+                         f"{world}; make the product of mesh_shape equal the world size")
+    return DeviceMesh(device_type, np.arange(world).reshape(mesh_shape), mesh_dim_names=mesh_dim_names)

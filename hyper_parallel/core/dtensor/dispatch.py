@@ -1,0 +1,126 @@
+"""Run a user-level op on DTensors through its sharding rule.
+
+1. The rule picks the layout of every input and of the outputs.
+2. Inputs are redistributed (differentiably) and unwrapped to local shards.
+3. The op runs on the shards under the framework's own autograd.
+4. Outputs are wrapped with the global shapes the op gives on meta tensors.
+
+Gradients: a local op's gradient for a sharded input is that shard's gradient. A replicated input
+whose outputs are split over a mesh dim gets a partial gradient there (each rank saw only part of
+the work), so its gradient is tagged Partial(sum) and summed where it is next needed. A Partial
+input's gradient is replicated. This gives PyTorch DTensor's gradient semantics without a rule for
+any backward op.
+"""
+from hyper_parallel.core.dtensor.dtensor import DTensor, _from_local, _to_local, as_layout
+from hyper_parallel.core.dtensor.layout import grad_placements
+from hyper_parallel.core.dtensor.ops import get_rule
+from hyper_parallel.core.dtensor.ops.registry import OpCall
+from hyper_parallel.core.dtensor.placement_types import Partial, Replicate
+from hyper_parallel.core.dtensor.spec import DTensorSpec
+from hyper_parallel.core.dtensor.tree import tree_flatten, tree_unflatten
+from hyper_parallel.platform import get_platform
+
+_platform = get_platform()
+
+
+def common_mesh(leaves, op_name):
+    mesh = None
+    for leaf in leaves:
+        if isinstance(leaf, DTensor):
+            if mesh is None:
+                mesh = leaf._spec.mesh
+            elif leaf._spec.mesh != mesh:
+                raise ValueError(f"{op_name}: DTensor inputs live on different meshes ({mesh} and "
+                                 f"{leaf._spec.mesh}); redistribute them onto one mesh first")
+    return mesh
+
+
+def promote_plain(leaf, mesh):
+    """A plain tensor beside DTensors is taken as replicated (0-dim ones stay scalars)."""
+    if _platform.is_tensor(leaf) and not isinstance(leaf, DTensor) and leaf.ndim > 0:
+        spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tuple(leaf.shape))
+        return _from_local(leaf, spec)
+    return leaf
+
+
+def input_grad_placements(placements, replicated_out):
+    out = []
+    for m, p in enumerate(placements):
+        if p.is_partial():
+            out.append(Replicate())
+        elif p.is_replicate() and not replicated_out[m]:
+            out.append(Partial("sum"))
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def ensure_leaf_grad_layout(dtensor):
+    """A leaf's gradient takes the leaf's own placements (PyTorch DTensor semantics), although the
+    ops that use it may hand back Partial pieces; converting once, after the engine has summed
+    every contribution, costs one reduction per backward instead of one per use."""
+    if dtensor.grad_fn is not None or not dtensor.requires_grad or getattr(dtensor, "_hp_hooked", False):
+        return
+    target = dtensor._spec.with_placements(grad_placements(dtensor._spec.placements))
+    dtensor.register_hook(lambda grad: as_layout(grad, target))
+    dtensor._hp_hooked = True
+
+
+def meta_outputs(func, args, kwargs):
+    """Global (shape, dtype) of every tensor output, from running ``func`` on meta tensors."""
+    def to_meta(x):
+        if isinstance(x, DTensor):
+            return _platform.meta_tensor(x._spec.shape, x.dtype)
+        if _platform.is_tensor(x):
+            return _platform.to_meta(x)
+        return x
+    leaves, structure = tree_flatten((args, kwargs))
+    meta_args, meta_kwargs = tree_unflatten([to_meta(x) for x in leaves], structure)
+    with _platform.no_grad():
+        result = func(*meta_args, **meta_kwargs)
+    outs, _ = tree_flatten(result)
+    return [tuple(o.shape) for o in outs if _platform.is_tensor(o)]
+
+
+def dispatch_function(name, func, args, kwargs):
+    rule = get_rule(name)
+    if rule is None:
+        return NotImplemented
+    leaves, structure = tree_flatten((args, kwargs))
+    mesh = common_mesh(leaves, name)
+    leaves = [promote_plain(x, mesh) for x in leaves]
+    call_args, call_kwargs = tree_unflatten(leaves, structure)
+    dtensors = [x for x in leaves if isinstance(x, DTensor)]
+    call = OpCall(name, func, call_args, call_kwargs, mesh, dtensors,
+                  meta_fn=lambda: meta_outputs(func, call_args, call_kwargs))
+    strategy = rule(call)
+    if strategy is None:
+        return NotImplemented
+    out_shapes = call.out_shapes
+    out_placements = strategy.outputs if isinstance(strategy.outputs, list) else \
+        [strategy.outputs] * len(out_shapes)
+    replicated_out = [all(p[m].is_replicate() for p in out_placements) for m in range(mesh.ndim)]
+
+    locals_ = []
+    for leaf in leaves:
+        if isinstance(leaf, DTensor):
+            target = strategy.inputs[call.index(leaf)] or leaf._spec.placements
+            ensure_leaf_grad_layout(leaf)
+            moved = leaf.redistribute(placements=target)
+            grad_spec = moved._spec.with_placements(input_grad_placements(target, replicated_out))
+            leaf = _to_local(moved, grad_spec)
+        locals_.append(leaf)
+    local_args, local_kwargs = tree_unflatten(locals_, structure)
+    if strategy.local is not None:
+        result = strategy.local(call, local_args, local_kwargs)
+    else:
+        result = func(*local_args, **local_kwargs)
+
+    out_leaves, out_structure = tree_flatten(result)
+    wrapped, k = [], 0
+    for out in out_leaves:
+        if _platform.is_tensor(out):
+            out = _from_local(out, DTensorSpec(mesh, tuple(out_placements[k]), out_shapes[k]))
+            k += 1
+        wrapped.append(out)
+    return tree_unflatten(wrapped, out_structure)

@@ -1,0 +1,183 @@
+"""DTensor: a global tensor stored as one shard per rank of a DeviceMesh.
+
+The class is framework-neutral: the platform supplies its base (for torch, a wrapper tensor
+subclass) and core does the rest. Ops with a sharding rule run on the local shards under the
+framework's ordinary autograd (``dispatch.py``); conversions between local and distributed views
+and between layouts are the three differentiable functions below.
+"""
+from hyper_parallel.core.dtensor.layout import grad_placements
+from hyper_parallel.core.dtensor.placement_types import Replicate, Shard, normalize_placements
+from hyper_parallel.core.dtensor.redistribute import redistribute_local
+from hyper_parallel.core.dtensor.spec import DTensorSpec
+from hyper_parallel.platform import get_platform
+
+_platform = get_platform()
+
+
+class DTensor(_platform.DTensorBase):
+
+    @classmethod
+    def _make(cls, local_tensor, spec, requires_grad=False):
+        """Wrap without autograd: ``local_tensor`` is this rank's shard of ``spec``."""
+        obj = cls.__new__(cls, local_tensor, spec.shape, requires_grad=requires_grad)
+        obj._local_tensor = local_tensor
+        obj._spec = spec
+        return obj
+
+    # ------------------------------------------------------------------ dispatch hooks
+    @classmethod
+    def _hp_function(cls, name, func, args, kwargs):
+        from hyper_parallel.core.dtensor.dispatch import dispatch_function
+        return dispatch_function(name, func, args, kwargs)
+
+    @classmethod
+    def _hp_aten(cls, func, args, kwargs):
+        from hyper_parallel.core.dtensor.aten_dispatch import dispatch_aten
+        return dispatch_aten(func, args, kwargs)
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def from_local(local_tensor, device_mesh, placements, *, run_check=False, shape=None, stride=None):
+        """The DTensor whose shard on this rank is ``local_tensor`` (differentiable).
+
+        Without ``shape`` the shards are taken to be even; pass the global ``shape`` for uneven ones.
+        """
+        placements = normalize_placements(placements, local_tensor.ndim, device_mesh.ndim)
+        if shape is None:
+            shape = list(local_tensor.shape)
+            for m, p in enumerate(placements):
+                if p.is_shard():
+                    shape[p.dim] *= device_mesh.size(m)
+        spec = DTensorSpec(device_mesh, placements, tuple(int(s) for s in shape))
+        if run_check:
+            _check_local_shapes(local_tensor, spec)
+        return _from_local(local_tensor, spec)
+
+    def to_local(self, *, grad_placements=None):
+        """This rank's shard (differentiable; its gradient has this DTensor's placements)."""
+        spec = self._spec if grad_placements is None else self._spec.with_placements(
+            normalize_placements(grad_placements, self.ndim, self._spec.mesh.ndim))
+        return _to_local(self, spec)
+
+    def redistribute(self, device_mesh=None, placements=None, *, async_op=False):
+        """This tensor in another layout on the same mesh (differentiable)."""
+        if device_mesh is not None and device_mesh != self._spec.mesh:
+            raise ValueError(f"redistribute across meshes ({self._spec.mesh} -> {device_mesh}) is not "
+                             f"supported; use the DTensor's own mesh")
+        if placements is None:
+            raise ValueError("redistribute needs placements, e.g. [Replicate()]")
+        placements = normalize_placements(placements, self.ndim, self._spec.mesh.ndim)
+        if placements == self._spec.placements:
+            return self
+        return _redistribute(self, placements)
+
+    def full_tensor(self):
+        """The whole global tensor on every rank (differentiable)."""
+        return self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim).to_local()
+
+    # ------------------------------------------------------------------ metadata
+    @property
+    def placements(self):
+        return self._spec.placements
+
+    @property
+    def device_mesh(self):
+        return self._spec.mesh
+
+    @property
+    def local_shape(self):
+        return tuple(self._local_tensor.shape)
+
+    def __repr__(self):
+        return (f"DTensor(local_tensor={self._local_tensor!r}, device_mesh={self._spec.mesh!r}, "
+                f"placements={self._spec.placements}, shape={tuple(self._spec.shape)})")
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a DTensor cannot be pickled; send dt.to_local() and its placements instead")
+
+
+# ---------------------------------------------------------------------- differentiable conversions
+def _from_local_forward(ctx, local, spec):
+    ctx.spec = spec
+    return DTensor._make(local.view_as(local), spec)
+
+
+def _from_local_backward(ctx, grad):
+    grad = as_layout(grad, ctx.spec.with_placements(grad_placements(ctx.spec.placements)))
+    return grad._local_tensor.contiguous(), None
+
+
+def _to_local_forward(ctx, dtensor, grad_spec):
+    ctx.grad_spec = grad_spec
+    return dtensor._local_tensor.view_as(dtensor._local_tensor)
+
+
+def _to_local_backward(ctx, grad):
+    return DTensor._make(grad.contiguous(), ctx.grad_spec), None
+
+
+def _redistribute_forward(ctx, dtensor, placements):
+    spec = dtensor._spec
+    ctx.src = spec
+    local = redistribute_local(dtensor._local_tensor, spec.mesh, spec.shape, spec.placements, placements)
+    return DTensor._make(local, spec.with_placements(placements))
+
+
+def _redistribute_backward(ctx, grad):
+    return as_layout(grad, ctx.src.with_placements(grad_placements(ctx.src.placements))), None
+
+
+_from_local_fn = _platform.make_autograd_function("FromLocal", _from_local_forward, _from_local_backward)
+_to_local_fn = _platform.make_autograd_function("ToLocal", _to_local_forward, _to_local_backward)
+_redistribute_fn = _platform.make_autograd_function("Redistribute", _redistribute_forward,
+                                                    _redistribute_backward)
+
+
+def _from_local(local, spec):
+    if _platform.is_grad_enabled() and local.requires_grad:
+        return _from_local_fn(local, spec)
+    return DTensor._make(local, spec)
+
+
+def _to_local(dtensor, grad_spec):
+    if _platform.is_grad_enabled() and dtensor.requires_grad:
+        return _to_local_fn(dtensor, grad_spec)
+    return dtensor._local_tensor
+
+
+def _redistribute(dtensor, placements):
+    if _platform.is_grad_enabled() and dtensor.requires_grad:
+        return _redistribute_fn(dtensor, placements)
+    return _redistribute_forward(_NoCtx(), dtensor, placements)
+
+
+class _NoCtx:
+    pass
+
+
+def as_layout(value, spec):
+    """``value`` (a DTensor in any layout, or a plain global tensor) as a DTensor of ``spec``,
+    without autograd."""
+    if isinstance(value, DTensor):
+        src = value._spec
+        local = redistribute_local(value._local_tensor, spec.mesh, spec.shape, src.placements,
+                                   spec.placements)
+        return DTensor._make(local, spec)
+    full_spec = spec.with_placements([Replicate()] * spec.mesh.ndim)
+    return as_layout(DTensor._make(value, full_spec), spec)
+
+
+def _check_local_shapes(local_tensor, spec):
+    platform = get_platform()
+    mesh = spec.mesh
+    expected = spec.local_shape
+    ok = platform.tensor([1 if tuple(local_tensor.shape) == expected else 0])
+    for m in range(mesh.ndim):
+        ok = platform.all_reduce(ok, mesh.get_group(m), "min")
+    if int(ok.item()) != 1:
+        raise ValueError(f"from_local(run_check=True): local shapes do not form a {list(spec.shape)} tensor "
+                         f"laid out as {spec.placements} (this rank has {tuple(local_tensor.shape)}, "
+                         f"expected {expected}); pass shape= for uneven shards")
+
+
+__all__ = ["DTensor", "Shard", "Replicate", "as_layout"]

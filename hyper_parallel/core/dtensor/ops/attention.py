@@ -1,0 +1,96 @@
+"""scaled_dot_product_attention on (..., heads, seq, dim) DTensors.
+
+Per mesh dim one of: everything replicated; batch or heads split on q, k, v alike (heads must
+divide evenly, GQA groups stay together); or queries split along the sequence with k and v
+replicated — the all-gather-KV form of context parallelism. In that last form the causal mask is
+the global one: each rank's query rows [r0, r0+L) may see keys j <= r0 + i, so keys past
+r0 + L are dropped before the kernel runs and the mask is built with that offset. An explicit
+global mask is sliced to the local rows by the same redistribution that splits q.
+"""
+from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
+from hyper_parallel.core.dtensor.ops.strategy_search import pick
+from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
+from hyper_parallel.platform import get_platform
+
+_ARG_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _mask_placement(p, q_ndim, mask_shape):
+    if not p.is_shard():
+        return p
+    dim = p.dim - (q_ndim - len(mask_shape))
+    if dim < 0 or mask_shape[dim] == 1:
+        return Replicate()
+    return p.with_dim(dim)
+
+
+def _candidates(qs, ks, vs, m, n):
+    nd = qs.ndim
+    pq = qs.placements[m]
+    cands = [([Replicate()] * 3, Replicate())]
+    for d in range(nd - 2):
+        if qs.shape[d] % n or ks.shape[d] % n:
+            continue  # heads (or batch) must split evenly; GQA groups then stay together
+        pick_q = pq if pq.is_shard(d) else Shard(d)
+        cands.append(([pick_q, ks.placements[m] if ks.placements[m].is_shard(d) else Shard(d),
+                       vs.placements[m] if vs.placements[m].is_shard(d) else Shard(d)], pick_q))
+    seq_q = pq if pq.is_shard(nd - 2) else Shard(nd - 2)
+    cands.append(([seq_q, Replicate(), Replicate()], seq_q))
+    return cands
+
+
+@register_rule("sdpa")
+def sdpa_rule(call):
+    q, k, v = (call.arg(i, _ARG_NAMES[i]) for i in range(3))
+    qs, ks, vs = call.spec(q), call.spec(k), call.spec(v)
+    if qs is None or ks is None or vs is None or qs.ndim < 3:
+        return None
+    mask = call.arg(3, "attn_mask")
+    mask_spec = call.spec(mask)
+    q_t, k_t, v_t, out, seq_split = [], [], [], [], False
+    for m in range(call.mesh_ndim):
+        current = [qs.placements[m], ks.placements[m], vs.placements[m]]
+        (tq, tk, tv), po = pick(_candidates(qs, ks, vs, m, call.mesh.size(m)), current,
+                                [_numel(s.shape) for s in (qs, ks, vs)], call.mesh.size(m))
+        seq_split |= tq.is_shard(qs.ndim - 2)
+        q_t.append(tq)
+        k_t.append(tk)
+        v_t.append(tv)
+        out.append(po)
+    inputs = [None] * len(call.specs)
+    inputs[call.index(q)], inputs[call.index(k)], inputs[call.index(v)] = tuple(q_t), tuple(k_t), tuple(v_t)
+    if mask_spec is not None:
+        inputs[call.index(mask)] = tuple(_mask_placement(p, qs.ndim, mask_spec.shape) for p in out)
+    local = None
+    if seq_split and call.arg(5, "is_causal", False):
+        row_start, _ = qs.with_placements(tuple(q_t)).local_box()[qs.ndim - 2]
+        local = _offset_causal(row_start)
+    return OpStrategy(inputs=inputs, outputs=tuple(out), local=local)
+
+
+def _offset_causal(row_start):
+    """Local attention of query rows [row_start, row_start + L) under the global causal mask."""
+    def local(call, args, kwargs):
+        values = {name: (args[i] if i < len(args) else kwargs.get(name)) for i, name in enumerate(_ARG_NAMES)}
+        q, k, v = values["query"], values["key"], values["value"]
+        seq = q.ndim - 2
+        rows = q.shape[seq]
+        visible = min(row_start + rows, k.shape[seq])
+        k, v = k.narrow(seq, 0, visible), v.narrow(seq, 0, visible)
+        platform = get_platform()
+        extra = {"enable_gqa": kwargs["enable_gqa"]} if kwargs.get("enable_gqa") else {}
+        dropout = values["dropout_p"] or 0.0
+        if row_start == 0 and visible == rows:
+            return platform.sdpa(q, k, v, dropout_p=dropout, is_causal=True, scale=values["scale"], **extra)
+        cols = platform.arange(visible, device=q.device)
+        row_ids = platform.arange(rows, device=q.device) + row_start
+        mask = cols.unsqueeze(0) <= row_ids.unsqueeze(1)
+        return platform.sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, scale=values["scale"], **extra)
+    return local

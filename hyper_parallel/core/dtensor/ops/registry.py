@@ -1,0 +1,73 @@
+"""The registry of sharding rules, keyed by framework-neutral op name.
+
+A rule takes an :class:`OpCall` and returns an :class:`OpStrategy` (or None: no strategy for these
+inputs, use the replicate fallback). Rules never communicate themselves; they say which layout
+each input must have and what layout the outputs then have, and may supply a ``local`` callable
+that runs the op on the shards (to pass local shapes, offsets or masks).
+"""
+from dataclasses import dataclass, field
+
+_RULES = {}
+
+
+def register_rule(*names):
+    def decorator(fn):
+        for name in names:
+            if name in _RULES:
+                raise ValueError(f"a sharding rule for {name!r} is already registered")
+            _RULES[name] = fn
+        return fn
+    return decorator
+
+
+def get_rule(name):
+    return _RULES.get(name)
+
+
+def registered_ops():
+    return sorted(_RULES)
+
+
+@dataclass
+class OpStrategy:
+    inputs: list                 # placements per DTensor input (OpCall.specs order)
+    outputs: object              # placements for every output, or a list with one per output
+    local: object = None         # local(call, args, kwargs) -> result, on local shards
+    extra: dict = field(default_factory=dict)
+
+
+class OpCall:
+    """One call of an op on DTensors, as a rule sees it."""
+
+    def __init__(self, name, func, args, kwargs, mesh, dtensors, meta_fn=None):
+        self.name, self.func, self.args, self.kwargs = name, func, args, kwargs
+        self._meta_fn = meta_fn
+        self._out_shapes = None
+        self.mesh = mesh
+        self.dtensors = dtensors            # DTensor leaves, in flatten order
+        self.specs = [d._spec for d in dtensors]
+        self._index = {id(d): i for i, d in enumerate(dtensors)}
+
+    @property
+    def out_shapes(self):
+        """Global shapes of the tensor outputs (from running the op on meta tensors)."""
+        if self._out_shapes is None:
+            self._out_shapes = self._meta_fn()
+        return self._out_shapes
+
+    def arg(self, position, name, default=None):
+        if len(self.args) > position:
+            return self.args[position]
+        return self.kwargs.get(name, default)
+
+    def index(self, obj):
+        """Position of ``obj`` among the DTensor inputs, or None if it is not one."""
+        return self._index.get(id(obj))
+
+    def spec(self, obj):
+        i = self.index(obj)
+        return None if i is None else self.specs[i]
+
+    @property
+    def mesh_ndim(self):
+        return self.mesh.ndim

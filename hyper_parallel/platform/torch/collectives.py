@@ -1,0 +1,174 @@
+"""Raw (non-differentiable) collectives on torch.distributed.
+
+Every function takes tensors of any layout and returns new contiguous tensors. Where the backend
+lacks a collective, or implements it weakly, it is emulated with one that exists; the capability
+table in ``platform.py`` says which.
+"""
+import torch
+import torch.distributed as dist
+
+from hyper_parallel.platform.base import AsyncHandle, CompletedHandle
+
+# torch renamed all_gather_into_tensor to all_gather_single; accept both (torch>=2.4).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+               "avg": dist.ReduceOp.SUM}
+
+
+def check_reduce_op(op):
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"reduce op {op!r} is not supported; use one of {sorted(_REDUCE_OPS)}")
+
+
+def _nbytes(tensor):
+    return tensor.numel() * tensor.element_size()
+
+
+class Collectives:
+    """Collectives bound to one platform (for accounting and backend quirks)."""
+
+    def __init__(self, platform):
+        self._platform = platform
+
+    def _backend_is(self, group, name):
+        return dist.get_backend(group) == name
+
+    def _finish(self, async_op, works, finish):
+        handle = AsyncHandle([w for w in works if w is not None], finish)
+        return handle if async_op else handle.wait()
+
+    def _record(self, op, nbytes, group):
+        self._platform.record_comm(op, nbytes, self._platform.group_ranks(group))
+
+    # --------------------------------------------------------------------------- all-gather
+    def all_gather(self, tensor, group, dim=0, async_op=False):
+        n = dist.get_world_size(group)
+        if n == 1:
+            return self._trivial(tensor.clone(memory_format=torch.contiguous_format), async_op)
+        moved = tensor.movedim(dim, 0).contiguous()
+        out = torch.empty((n * moved.shape[0],) + tuple(moved.shape[1:]), dtype=tensor.dtype,
+                          device=tensor.device)
+        self._record("all_gather", (n - 1) * _nbytes(moved), group)
+        work = _all_gather_single(out, moved, group=group, async_op=async_op)
+        return self._finish(async_op, [work] if async_op else [],
+                            lambda: out.movedim(0, dim).contiguous())
+
+    # --------------------------------------------------------------------------- all-to-all
+    def all_to_all_single(self, tensor, group, split_dim=0, concat_dim=0, async_op=False):
+        n = dist.get_world_size(group)
+        split_dim, concat_dim = split_dim % tensor.dim(), concat_dim % tensor.dim()  # negative dims
+        size = tensor.shape[split_dim]
+        if size % n:
+            raise ValueError(f"all_to_all_single: dim {split_dim} has size {size}, not divisible by "
+                             f"the group size {n}; pad it or use an uneven redistribution")
+        if n == 1:
+            return self._trivial(tensor.clone(memory_format=torch.contiguous_format), async_op)
+        blocks = tensor.unflatten(split_dim, (n, size // n)).movedim(split_dim, 0).contiguous()
+        out = torch.empty_like(blocks)
+        self._record("all_to_all", _nbytes(blocks) * (n - 1) // n, group)
+        work = dist.all_to_all_single(out, blocks, group=group, async_op=async_op)
+
+        def finish():
+            return out.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1).contiguous()
+        return self._finish(async_op, [work] if async_op else [], finish)
+
+    def all_to_all(self, tensors, group, out_shapes=None, async_op=False):
+        """List all-to-all, emulated with one uneven all_to_all_single of flattened buffers
+        (gloo has no list form)."""
+        n = dist.get_world_size(group)
+        if len(tensors) != n:
+            raise ValueError(f"all_to_all needs one tensor per rank ({n}), got {len(tensors)}")
+        out_shapes = out_shapes or [t.shape for t in tensors]
+        dtype, device = tensors[0].dtype, tensors[0].device
+        send = torch.cat([t.reshape(-1) for t in tensors]) if n > 1 else tensors[0].reshape(-1).clone()
+        in_splits = [t.numel() for t in tensors]
+        out_splits = [int(torch.Size(s).numel()) for s in out_shapes]
+        recv = torch.empty(sum(out_splits), dtype=dtype, device=device)
+        me = dist.get_rank(group)
+        self._record("all_to_all", (send.numel() - in_splits[me]) * send.element_size(), group)
+        work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=group,
+                                      async_op=async_op)
+
+        def finish():
+            return [piece.reshape(shape) for piece, shape in
+                    zip(torch.split(recv, out_splits), out_shapes)]
+        return self._finish(async_op, [work] if async_op else [], finish)
+
+    # --------------------------------------------------------------------------- reductions
+    def reduce_scatter(self, tensor, group, dim=0, op="sum", async_op=False):
+        check_reduce_op(op)
+        n = dist.get_world_size(group)
+        dim = dim % tensor.dim()  # unflatten + movedim below need a non-negative dim
+        size = tensor.shape[dim]
+        if size % n:
+            raise ValueError(f"reduce_scatter: dim {dim} has size {size}, not divisible by the group "
+                             f"size {n}; pad it or use an uneven redistribution")
+        if n == 1:
+            return self._trivial(tensor.clone(memory_format=torch.contiguous_format), async_op)
+        blocks = tensor.unflatten(dim, (n, size // n)).movedim(dim, 0).contiguous()
+        self._record("reduce_scatter", _nbytes(blocks) * (n - 1) // n, group)
+        if self._backend_is(group, "gloo"):
+            # gloo's reduce-scatter is weak (op and dtype gaps): one all-to-all moves exactly the
+            # bytes of a ring reduce-scatter, and the reduction happens locally in rank order.
+            received = torch.empty_like(blocks)
+            work = dist.all_to_all_single(received, blocks, group=group, async_op=async_op)
+            return self._finish(async_op, [work] if async_op else [],
+                                lambda: _reduce_stack(received, op, n))
+        out = torch.empty(blocks.shape[1:], dtype=tensor.dtype, device=tensor.device)
+        native_op = dist.ReduceOp.AVG if op == "avg" and not self._backend_is(group, "gloo") \
+            else _REDUCE_OPS[op]
+        work = dist.reduce_scatter_tensor(out, blocks, op=native_op, group=group, async_op=async_op)
+        return self._finish(async_op, [work] if async_op else [],
+                            lambda: out / n if op == "avg" and native_op != dist.ReduceOp.AVG else out)
+
+    def all_reduce(self, tensor, group, op="sum", async_op=False):
+        check_reduce_op(op)
+        n = dist.get_world_size(group)
+        out = tensor.contiguous().clone()
+        if n == 1:
+            return self._trivial(out, async_op)
+        self._record("all_reduce", 2 * _nbytes(out) * (n - 1) // n, group)
+        native_avg = op == "avg" and dist.get_backend(group) == "nccl"
+        work = dist.all_reduce(out, op=dist.ReduceOp.AVG if native_avg else _REDUCE_OPS[op],
+                               group=group, async_op=async_op)
+        scale = op == "avg" and not native_avg
+        return self._finish(async_op, [work] if async_op else [],
+                            lambda: out.div_(n) if scale else out)
+
+    def broadcast(self, tensor, src, group, async_op=False):
+        n = dist.get_world_size(group)
+        out = tensor.contiguous().clone()
+        if n == 1:
+            return self._trivial(out, async_op)
+        if dist.get_rank() == src:
+            self._record("broadcast", _nbytes(out), group)
+        work = dist.broadcast(out, src=src, group=group, async_op=async_op)
+        return self._finish(async_op, [work] if async_op else [], lambda: out)
+
+    # --------------------------------------------------------------------------- point-to-point
+    def p2p_exchange(self, sends, recvs, group=None, async_op=False):
+        ops, outputs = [], []
+        for tensor, peer in sends:
+            ops.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, group=group))
+        for template, peer in recvs:
+            buf = torch.empty(template.shape, dtype=template.dtype, device=template.device)
+            outputs.append(buf)
+            ops.append(dist.P2POp(dist.irecv, buf, peer, group=group))
+        sent = sum(_nbytes(t) for t, _ in sends)
+        if sent:
+            self._record("send_recv", sent, group)
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return self._finish(async_op, works, lambda: outputs)
+
+    @staticmethod
+    def _trivial(result, async_op):
+        return CompletedHandle(result) if async_op else result
+
+
+def _reduce_stack(blocks, op, n):
+    """Reduce the leading (rank) dim of ``blocks`` in rank order."""
+    if op in ("sum", "avg"):
+        out = blocks.sum(0)
+        return out / n if op == "avg" else out
+    return blocks.amax(0) if op == "max" else blocks.amin(0)

@@ -1,0 +1,50 @@
+"""The torch side of DTensor: a wrapper tensor subclass that forwards both dispatch levels to core.
+
+``__torch_function__`` sees user-level calls (``F.linear``, ``Tensor.view``...) and hands the ones
+with a sharding rule to core, which runs them on local shards under ordinary autograd.
+``__torch_dispatch__`` sees the aten ops that reach a DTensor without such a rule: autograd-engine
+internals (gradient accumulation, ``ones_like`` for ``backward()``), optimizer updates and
+in-place methods.
+"""
+import torch
+
+from hyper_parallel.platform.torch.op_names import build_op_names
+
+OP_NAMES = build_op_names()
+
+
+def _contiguous_strides(shape):
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+class TorchDTensorBase(torch.Tensor):
+    """Subclassed by ``hyper_parallel.core.dtensor.DTensor``, which provides ``_hp_function`` and
+    ``_hp_aten``."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def __new__(cls, local_tensor, global_shape, requires_grad=False):
+        shape = tuple(global_shape)
+        return torch.Tensor._make_wrapper_subclass(
+            cls, shape, strides=_contiguous_strides(shape), dtype=local_tensor.dtype,
+            device=local_tensor.device, layout=local_tensor.layout, requires_grad=requires_grad)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = OP_NAMES.get(func)
+        if name is not None:
+            result = cls._hp_function(name, func, args, kwargs)
+            if result is not NotImplemented:
+                return result
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return cls._hp_aten(func, args, kwargs or {})

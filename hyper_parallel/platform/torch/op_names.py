@@ -1,0 +1,84 @@
+"""Map torch callables to the framework-neutral op names that core's sharding rules use.
+
+Several torch spellings reach one rule (``torch.matmul``, ``Tensor.matmul``, ``Tensor.__matmul__``
+and ``torch.mm`` all mean "matmul"). In-place methods are deliberately absent: they stay on the
+aten path where autograd tracks them on the DTensor itself.
+"""
+import torch
+import torch.nn.functional as F
+
+_EXPLICIT = {
+    "matmul": [torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm,
+               torch.bmm, torch.Tensor.bmm],
+    "rmatmul": [torch.Tensor.__rmatmul__],
+    "linear": [F.linear],
+    "view": [torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.flatten, torch.Tensor.flatten,
+             torch.Tensor.unflatten, torch.unflatten, torch.Tensor.view_as, torch.Tensor.reshape_as,
+             torch.squeeze, torch.Tensor.squeeze, torch.unsqueeze, torch.Tensor.unsqueeze],
+    "expand": [torch.Tensor.expand, torch.Tensor.expand_as],
+    "transpose": [torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes,
+                  torch.swapdims, torch.Tensor.swapdims],
+    "permute": [torch.permute, torch.Tensor.permute],
+    "movedim": [torch.movedim, torch.Tensor.movedim, torch.moveaxis, torch.Tensor.moveaxis],
+    "t": [torch.t, torch.Tensor.t],
+    "identity": [torch.Tensor.contiguous, torch.clone, torch.Tensor.clone],
+    "cast": [torch.Tensor.to, torch.Tensor.float, torch.Tensor.double, torch.Tensor.half,
+             torch.Tensor.bfloat16, torch.Tensor.type_as],
+    "split": [torch.split, torch.Tensor.split],
+    "chunk": [torch.chunk, torch.Tensor.chunk],
+    "unbind": [torch.unbind, torch.Tensor.unbind],
+    "narrow": [torch.narrow, torch.Tensor.narrow],
+    "getitem": [torch.Tensor.__getitem__],
+    "cat": [torch.cat, torch.concat, torch.concatenate],
+    "stack": [torch.stack],
+    "softmax": [F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax, torch.log_softmax,
+                torch.Tensor.log_softmax],
+    "sum": [torch.sum, torch.Tensor.sum],
+    "mean": [torch.mean, torch.Tensor.mean],
+    "amax": [torch.amax, torch.Tensor.amax],
+    "amin": [torch.amin, torch.Tensor.amin],
+    "embedding": [F.embedding],
+    "layer_norm": [F.layer_norm],
+    "rms_norm": [getattr(F, "rms_norm", None)],
+    "dropout": [F.dropout, torch.dropout],
+    "sdpa": [F.scaled_dot_product_attention],
+    "cross_entropy": [F.cross_entropy],
+}
+
+_DUNDER_ELEMENTWISE = ["__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+                       "__rtruediv__", "__div__", "__pow__", "__rpow__", "__neg__", "__abs__", "__and__",
+                       "__rand__", "__or__", "__ror__", "__xor__", "__invert__", "__eq__", "__ne__",
+                       "__lt__", "__le__", "__gt__", "__ge__", "__floordiv__", "__mod__"]
+# Pointwise by tag but not elementwise in every overload, or needing a rule of their own.
+_NOT_ELEMENTWISE = {"where_single_arg", "dropout", "copy", "fill", "zero", "to"}
+
+
+def _pointwise_names():
+    names = []
+    for name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, name, None)
+        if not isinstance(packet, torch._ops.OpOverloadPacket) or name.endswith("_"):
+            continue
+        overloads = [getattr(packet, o) for o in packet.overloads()]
+        if any(torch.Tag.pointwise in op.tags for op in overloads) and name not in _NOT_ELEMENTWISE:
+            names.append(name)
+    return names
+
+
+def build_op_names():
+    table = {}
+    for name in _pointwise_names():
+        for namespace in (torch, torch.Tensor, F, torch.special):
+            func = getattr(namespace, name, None)
+            if callable(func):
+                table[func] = "elementwise"
+    for name in _DUNDER_ELEMENTWISE:
+        table[getattr(torch.Tensor, name)] = "elementwise"
+    for func in (F.relu, F.gelu, F.silu, F.sigmoid, F.tanh, torch.where, torch.Tensor.where,
+                 torch.Tensor.masked_fill, torch.masked_fill):
+        table[func] = "elementwise"
+    for name, funcs in _EXPLICIT.items():
+        for func in funcs:
+            if func is not None:
+                table[func] = name
+    return table

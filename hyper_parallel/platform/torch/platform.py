@@ -1,0 +1,288 @@
+"""PyTorch platform: CPU (gloo) or CUDA (nccl)."""
+import contextlib
+import datetime
+import os
+import resource
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hyper_parallel.platform.base import Platform
+from hyper_parallel.platform.torch import autograd_collectives as ag
+from hyper_parallel.platform.torch.aten_kinds import aten_kind, foreach_to_single
+from hyper_parallel.platform.torch.collectives import Collectives
+from hyper_parallel.platform.torch.dtensor_base import TorchDTensorBase
+
+
+class TorchPlatform(Platform):
+    name = "torch"
+    Tensor = torch.Tensor
+    Module = torch.nn.Module
+    Parameter = torch.nn.Parameter
+    DTensorBase = TorchDTensorBase
+
+    def __init__(self):
+        super().__init__()
+        self._comm = Collectives(self)
+        self._groups = {}
+        self._group_ranks = {}
+
+    # ---------------------------------------------------------------- device
+    @property
+    def device_type(self):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def default_backend(self):
+        return "nccl" if self.device_type == "cuda" else "gloo"
+
+    def device(self):
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.device_type, self._device_module().current_device())
+
+    def _device_module(self):
+        return getattr(torch, self.device_type)
+
+    def set_device(self, local_rank):
+        if self.device_type != "cpu":
+            self._device_module().set_device(local_rank)
+
+    def synchronize(self):
+        if self.device_type != "cpu":
+            self._device_module().synchronize()
+
+    def reset_peak_memory(self):
+        if self.device_type != "cpu":
+            self._device_module().reset_peak_memory_stats()
+
+    def peak_memory_bytes(self):
+        """Peak device memory; on CPU the process's peak resident set (not resettable)."""
+        if self.device_type != "cpu":
+            return self._device_module().max_memory_allocated()
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    # ---------------------------------------------------------------- capabilities
+    def capabilities(self):
+        backend = dist.get_backend() if dist.is_initialized() else self.default_backend
+        table = {"all_gather": "native", "all_to_all_single": "native", "all_reduce": "native",
+                 "broadcast": "native", "p2p (batch_isend_irecv)": "native",
+                 "all_to_all (list)": "emulated: one uneven all_to_all_single of flat buffers",
+                 "reduce_scatter": "native", "all_reduce avg": "native"}
+        if backend == "gloo":
+            table["reduce_scatter"] = "emulated: all_to_all_single + local reduction (same bytes)"
+            table["all_reduce avg"] = "emulated: sum, then divide by the group size"
+        return {"backend": backend, **table}
+
+    # ---------------------------------------------------------------- process groups
+    def init_process_group(self, backend=None, timeout_s=None, **kwargs):
+        if dist.is_initialized():
+            return
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing and "init_method" not in kwargs:
+            raise RuntimeError(f"cannot initialise the default process group: the launcher "
+                               f"variables {missing} are not set (start with torchrun, or call "
+                               f"torch.distributed.init_process_group yourself)")
+        if self.device_type != "cpu":
+            self.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if timeout_s is not None:
+            kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend or self.default_backend, **kwargs)
+
+    def is_initialized(self):
+        return dist.is_initialized()
+
+    def get_rank(self, group=None):
+        return dist.get_rank(group)
+
+    def get_world_size(self, group=None):
+        return dist.get_world_size(group)
+
+    def new_group(self, ranks):
+        ranks = tuple(int(r) for r in ranks)
+        group = self._groups.get(ranks)
+        if group is None:
+            if ranks == tuple(range(dist.get_world_size())):
+                group = dist.group.WORLD
+            else:
+                group = dist.new_group(list(ranks), use_local_synchronization=False)
+            self._groups[ranks] = group
+            self._group_ranks[group] = ranks
+        return group
+
+    def group_ranks(self, group):
+        if group is None or group is dist.group.WORLD:
+            return tuple(range(dist.get_world_size()))
+        ranks = self._group_ranks.get(group)
+        return ranks if ranks is not None else tuple(dist.get_process_group_ranks(group))
+
+    def barrier(self, group=None):
+        dist.barrier(group)
+
+    def destroy_process_group(self):
+        if dist.is_initialized():
+            dist.barrier()  # without it a gloo rank sometimes aborts at exit
+            dist.destroy_process_group()
+        self._groups.clear()
+        self._group_ranks.clear()
+
+    # ---------------------------------------------------------------- raw collectives
+    def all_gather(self, tensor, group, dim=0, async_op=False):
+        return self._comm.all_gather(tensor, group, dim, async_op)
+
+    def all_to_all_single(self, tensor, group, split_dim=0, concat_dim=0, async_op=False):
+        return self._comm.all_to_all_single(tensor, group, split_dim, concat_dim, async_op)
+
+    def all_to_all(self, tensors, group, out_shapes=None, async_op=False):
+        return self._comm.all_to_all(tensors, group, out_shapes, async_op)
+
+    def reduce_scatter(self, tensor, group, dim=0, op="sum", async_op=False):
+        return self._comm.reduce_scatter(tensor, group, dim, op, async_op)
+
+    def all_reduce(self, tensor, group, op="sum", async_op=False):
+        return self._comm.all_reduce(tensor, group, op, async_op)
+
+    def broadcast(self, tensor, src, group, async_op=False):
+        return self._comm.broadcast(tensor, src, group, async_op)
+
+    def p2p_exchange(self, sends, recvs, group=None, async_op=False):
+        return self._comm.p2p_exchange(sends, recvs, group, async_op)
+
+    # ---------------------------------------------------------------- autograd-aware collectives
+    def differentiable_all_gather(self, tensor, group, dim=0):
+        return ag.all_gather(self._comm, tensor, group, dim)
+
+    def differentiable_reduce_scatter(self, tensor, group, dim=0):
+        return ag.reduce_scatter(self._comm, tensor, group, dim)
+
+    def differentiable_all_to_all(self, tensor, group, split_dim, concat_dim):
+        return ag.all_to_all(self._comm, tensor, group, split_dim, concat_dim)
+
+    def differentiable_all_reduce(self, tensor, group, op="sum", backward="sum"):
+        return ag.all_reduce(self._comm, tensor, group, op, backward)
+
+    def differentiable_p2p_exchange(self, tensor, send_to, recv_from, group=None):
+        return ag.p2p_exchange(self._comm, tensor, send_to, recv_from, group)
+
+    # ---------------------------------------------------------------- autograd plumbing for core
+    @staticmethod
+    def make_autograd_function(name, forward, backward):
+        """A differentiable callable from ``forward(ctx, *args)`` / ``backward(ctx, *grads)``."""
+        fn = type(name, (torch.autograd.Function,),
+                  {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+        return fn.apply
+
+    @staticmethod
+    def no_grad():
+        return torch.no_grad()
+
+    @staticmethod
+    def is_grad_enabled():
+        return torch.is_grad_enabled()
+
+    @staticmethod
+    def call_plain(func, args, kwargs):
+        """Call ``func`` with tensor-subclass function dispatch disabled."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @staticmethod
+    def aten_kind(func):
+        return aten_kind(func)
+
+    @staticmethod
+    def foreach_to_single(func):
+        return foreach_to_single(func)
+
+    @staticmethod
+    def op_display_name(func):
+        return getattr(func, "__name__", None) or str(func)
+
+    @staticmethod
+    def meta_tensor(shape, dtype):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    @staticmethod
+    def to_meta(tensor):
+        return tensor.to("meta")
+
+    # ---------------------------------------------------------------- tensor helpers for core
+    @staticmethod
+    def is_tensor(obj):
+        return isinstance(obj, torch.Tensor)
+
+    @staticmethod
+    def tensor(data, dtype=None, device=None):
+        return torch.tensor(data, dtype=dtype, device=device)
+
+    @staticmethod
+    def arange(n, device=None):
+        return torch.arange(n, device=device)
+
+    @staticmethod
+    def cat(tensors, dim=0):
+        return torch.cat(tensors, dim)
+
+    @staticmethod
+    def zeros(shape, dtype=None, device=None):
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def empty(shape, dtype=None, device=None):
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def broadcast_shapes(*shapes):
+        return tuple(torch.broadcast_shapes(*shapes))
+
+    @staticmethod
+    def bool_dtype():
+        return torch.bool
+
+    @staticmethod
+    def float32():
+        return torch.float32
+
+    @staticmethod
+    def is_floating_point(tensor):
+        return tensor.is_floating_point()
+
+    @staticmethod
+    def manual_seed(seed):
+        torch.manual_seed(seed)
+
+    # ---------------------------------------------------------------- modules and hooks
+    def register_forward_pre_hook(self, module, hook, with_kwargs=False):
+        return module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
+
+    def register_forward_hook(self, module, hook, with_kwargs=False):
+        return module.register_forward_hook(hook, with_kwargs=with_kwargs)
+
+    @staticmethod
+    def is_linear(module):
+        return isinstance(module, torch.nn.Linear)
+
+    @staticmethod
+    def is_embedding(module):
+        return isinstance(module, torch.nn.Embedding)
+
+    @staticmethod
+    def named_parameters(module, recurse=False):
+        return module.named_parameters(recurse=recurse)
+
+    @staticmethod
+    def set_parameter(module, name, value):
+        module.register_parameter(name, torch.nn.Parameter(value, requires_grad=value.requires_grad))
+
+    # ---------------------------------------------------------------- attention kernels
+    @staticmethod
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        """Scaled dot-product attention on (..., heads, seq, dim) tensors."""
+        kwargs = {"enable_gqa": True} if enable_gqa else {}
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, **kwargs)
+
+    @contextlib.contextmanager
+    def default_device(self):
+        yield self.device()
