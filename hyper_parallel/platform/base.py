@@ -105,14 +105,16 @@ class Platform:
     def all_to_all_single(self, tensor, group, split_dim=0, concat_dim=0, async_op=False):
         raise NotImplementedError
 
-    def all_to_all(self, tensors, group, async_op=False):
-        """List form: ``tensors[i]`` goes to group rank i; returns the list received."""
+    def all_to_all(self, tensors, group, out_shapes=None, async_op=False):
+        """List form: ``tensors[i]`` goes to group rank i; returns the list received, the piece
+        from group rank j shaped ``out_shapes[j]`` (default: ``tensors[j].shape``)."""
         raise NotImplementedError
 
     def reduce_scatter(self, tensor, group, dim=0, op="sum", async_op=False):
         raise NotImplementedError
 
-    def all_reduce(self, tensor, group, op="sum", async_op=False):
+    def all_reduce(self, tensor, group, op="sum", async_op=False, tag=None):
+        """``tag`` names the call in communication accounting (default "all_reduce")."""
         raise NotImplementedError
 
     def broadcast(self, tensor, src, group, async_op=False):

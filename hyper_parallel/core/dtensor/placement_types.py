@@ -84,9 +84,12 @@ class StridedShard(Shard):
 
 
 class HeadTailShard(Shard):
-    """Internal layout of causal load balancing: of ``2n`` equal chunks the rank at coordinate r
-    holds chunk r (``half=0``, the head) or chunk 2n-1-r (``half=1``, the tail). The pieces cover
-    only half the tensor, so such a DTensor is never redistributed; it only flows through ops."""
+    """Internal layout of causal load balancing. The sequence is cut into ``2n`` equal chunks; the
+    rank at coordinate r owns chunks 2r and 2r+1 (its contiguous block) and, paired with rank
+    n-1-r, swaps its second chunk for that rank's: it computes chunk 2r (``half=0``, the head) and
+    chunk 2n-1-2r (``half=1``, the tail). Each pair's causal work sums to the same 2n+1 chunk
+    blocks, and each rank sends one half of its block. The pieces of one half cover only half the
+    tensor, so such a DTensor is never redistributed; it only flows through ops."""
     __slots__ = ("half",)
 
     def __init__(self, dim, half):
@@ -99,7 +102,7 @@ class HeadTailShard(Shard):
         return HeadTailShard(dim, self.half)
 
     def chunk_of(self, coordinate, mesh_size):
-        return (coordinate if self.half == 0 else 2 * mesh_size - 1 - coordinate), 2 * mesh_size
+        return (2 * coordinate if self.half == 0 else 2 * mesh_size - 1 - 2 * coordinate), 2 * mesh_size
 
     def __eq__(self, other):
         return type(other) is HeadTailShard and (other.dim, other.half) == (self.dim, self.half)

@@ -40,6 +40,8 @@ def _state_of(placement):
 
 @functools.lru_cache(maxsize=4096)
 def _plan(mesh_shape, coordinate, shape, src, dst):
+    if src == dst:
+        return ()
     if any(isinstance(p, HeadTailShard) for p in src) or \
             any(isinstance(p, HeadTailShard) and not src[m].is_replicate() for m, p in enumerate(dst)):
         raise ValueError(f"cannot redistribute {src} -> {dst}: a HeadTailShard (load-balanced half) "

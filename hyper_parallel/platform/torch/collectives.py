@@ -41,6 +41,19 @@ class Collectives:
     def _record(self, op, nbytes, group):
         self._platform.record_comm(op, nbytes, self._platform.group_ranks(group))
 
+    def _order(self, group):
+        """Block order of a group created with ranks not in ascending order (e.g. a mesh line
+        [3, 2, 1, 0]): torch numbers a group's ranks ascending, but "group rank i" here is the
+        i-th rank the group was created with (its mesh coordinate). Returns (order, inverse): data
+        in torch order is ``x[order]`` in creation order, creation order ``y[inverse]`` in torch
+        order; None when the two orders agree."""
+        ranks = list(self._platform.group_ranks(group))
+        ascending = sorted(ranks)
+        if ranks == ascending:
+            return None
+        order = [ascending.index(r) for r in ranks]
+        return order, [ranks.index(r) for r in ascending]
+
     # --------------------------------------------------------------------------- all-gather
     def all_gather(self, tensor, group, dim=0, async_op=False):
         n = dist.get_world_size(group)
@@ -51,8 +64,14 @@ class Collectives:
                           device=tensor.device)
         self._record("all_gather", (n - 1) * _nbytes(moved), group)
         work = _all_gather_single(out, moved, group=group, async_op=async_op)
-        return self._finish(async_op, [work] if async_op else [],
-                            lambda: out.movedim(0, dim).contiguous())
+        perm = self._order(group)
+
+        def finish():
+            result = out
+            if perm is not None:
+                result = out.unflatten(0, (n, moved.shape[0]))[perm[0]].flatten(0, 1)
+            return result.movedim(0, dim).contiguous()
+        return self._finish(async_op, [work] if async_op else [], finish)
 
     # --------------------------------------------------------------------------- all-to-all
     def all_to_all_single(self, tensor, group, split_dim=0, concat_dim=0, async_op=False):
@@ -65,12 +84,16 @@ class Collectives:
         if n == 1:
             return self._trivial(tensor.clone(memory_format=torch.contiguous_format), async_op)
         blocks = tensor.unflatten(split_dim, (n, size // n)).movedim(split_dim, 0).contiguous()
+        perm = self._order(group)
+        if perm is not None:
+            blocks = blocks[perm[1]]
         out = torch.empty_like(blocks)
         self._record("all_to_all", _nbytes(blocks) * (n - 1) // n, group)
         work = dist.all_to_all_single(out, blocks, group=group, async_op=async_op)
 
         def finish():
-            return out.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1).contiguous()
+            received = out if perm is None else out[perm[0]]
+            return received.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1).contiguous()
         return self._finish(async_op, [work] if async_op else [], finish)
 
     def all_to_all(self, tensors, group, out_shapes=None, async_op=False):
@@ -80,6 +103,10 @@ class Collectives:
         if len(tensors) != n:
             raise ValueError(f"all_to_all needs one tensor per rank ({n}), got {len(tensors)}")
         out_shapes = out_shapes or [t.shape for t in tensors]
+        perm = self._order(group)
+        if perm is not None:
+            tensors = [tensors[i] for i in perm[1]]
+            out_shapes = [out_shapes[i] for i in perm[1]]
         dtype, device = tensors[0].dtype, tensors[0].device
         send = torch.cat([t.reshape(-1) for t in tensors]) if n > 1 else tensors[0].reshape(-1).clone()
         in_splits = [t.numel() for t in tensors]
@@ -91,8 +118,9 @@ class Collectives:
                                       async_op=async_op)
 
         def finish():
-            return [piece.reshape(shape) for piece, shape in
-                    zip(torch.split(recv, out_splits), out_shapes)]
+            pieces = [piece.reshape(shape) for piece, shape in
+                      zip(torch.split(recv, out_splits), out_shapes)]
+            return pieces if perm is None else [pieces[i] for i in perm[0]]
         return self._finish(async_op, [work] if async_op else [], finish)
 
     # --------------------------------------------------------------------------- reductions
@@ -107,6 +135,9 @@ class Collectives:
         if n == 1:
             return self._trivial(tensor.clone(memory_format=torch.contiguous_format), async_op)
         blocks = tensor.unflatten(dim, (n, size // n)).movedim(dim, 0).contiguous()
+        perm = self._order(group)
+        if perm is not None:
+            blocks = blocks[perm[1]]
         self._record("reduce_scatter", _nbytes(blocks) * (n - 1) // n, group)
         if self._backend_is(group, "gloo"):
             # gloo's reduce-scatter is weak (op and dtype gaps): one all-to-all moves exactly the
@@ -114,7 +145,8 @@ class Collectives:
             received = torch.empty_like(blocks)
             work = dist.all_to_all_single(received, blocks, group=group, async_op=async_op)
             return self._finish(async_op, [work] if async_op else [],
-                                lambda: _reduce_stack(received, op, n))
+                                lambda: _reduce_stack(received if perm is None else received[perm[0]],
+                                                  op, n))
         out = torch.empty(blocks.shape[1:], dtype=tensor.dtype, device=tensor.device)
         native_op = dist.ReduceOp.AVG if op == "avg" and not self._backend_is(group, "gloo") \
             else _REDUCE_OPS[op]
@@ -122,13 +154,13 @@ class Collectives:
         return self._finish(async_op, [work] if async_op else [],
                             lambda: out / n if op == "avg" and native_op != dist.ReduceOp.AVG else out)
 
-    def all_reduce(self, tensor, group, op="sum", async_op=False):
+    def all_reduce(self, tensor, group, op="sum", async_op=False, tag=None):
         check_reduce_op(op)
         n = dist.get_world_size(group)
         out = tensor.contiguous().clone()
         if n == 1:
             return self._trivial(out, async_op)
-        self._record("all_reduce", 2 * _nbytes(out) * (n - 1) // n, group)
+        self._record(tag or "all_reduce", 2 * _nbytes(out) * (n - 1) // n, group)
         native_avg = op == "avg" and dist.get_backend(group) == "nccl"
         work = dist.all_reduce(out, op=dist.ReduceOp.AVG if native_avg else _REDUCE_OPS[op],
                                group=group, async_op=async_op)

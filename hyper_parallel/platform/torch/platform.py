@@ -140,8 +140,8 @@ class TorchPlatform(Platform):
     def reduce_scatter(self, tensor, group, dim=0, op="sum", async_op=False):
         return self._comm.reduce_scatter(tensor, group, dim, op, async_op)
 
-    def all_reduce(self, tensor, group, op="sum", async_op=False):
-        return self._comm.all_reduce(tensor, group, op, async_op)
+    def all_reduce(self, tensor, group, op="sum", async_op=False, tag=None):
+        return self._comm.all_reduce(tensor, group, op, async_op, tag)
 
     def broadcast(self, tensor, src, group, async_op=False):
         return self._comm.broadcast(tensor, src, group, async_op)
@@ -258,6 +258,17 @@ class TorchPlatform(Platform):
 
     def register_forward_hook(self, module, hook, with_kwargs=False):
         return module.register_forward_hook(hook, with_kwargs=with_kwargs)
+
+    @staticmethod
+    def replace_forward(module, make_wrapper):
+        """Route ``module``'s calls through ``make_wrapper(original_forward)``; returns a function
+        that restores the original."""
+        original = module.forward
+        module.forward = make_wrapper(original)
+
+        def restore():
+            module.forward = original
+        return restore
 
     @staticmethod
     def is_linear(module):

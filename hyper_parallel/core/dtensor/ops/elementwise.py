@@ -7,7 +7,7 @@ replicated values); otherwise they are reduced — into the output's shard when 
 is one reduce-scatter.
 """
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
-from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, Shard, StridedShard
+from hyper_parallel.core.dtensor.placement_types import Partial, Replicate
 from hyper_parallel.platform import get_platform
 
 ADDITIVE = {"add", "__add__", "__radd__", "sub", "__sub__", "__rsub__", "subtract"}
@@ -17,10 +17,6 @@ DIVIDES = {"div", "__truediv__", "true_divide", "__div__", "divide"}
 LINEAR_REDUCE_OPS = ("sum", "avg")
 
 
-def with_dim(p, dim):
-    return StridedShard(dim, p.split_factor) if isinstance(p, StridedShard) else Shard(dim)
-
-
 def to_output(p, in_shape, out_shape):
     """An input's placement seen in output dims (broadcast dims become Replicate)."""
     if not p.is_shard():
@@ -28,7 +24,7 @@ def to_output(p, in_shape, out_shape):
     out_dim = p.dim + len(out_shape) - len(in_shape)
     if in_shape[p.dim] == 1 and out_shape[out_dim] != 1:
         return Replicate()
-    return with_dim(p, out_dim)
+    return p.with_dim(out_dim)
 
 
 def to_input(p, in_shape, out_shape):
@@ -38,7 +34,7 @@ def to_input(p, in_shape, out_shape):
     in_dim = p.dim - (len(out_shape) - len(in_shape))
     if in_dim < 0 or (in_shape[in_dim] == 1 and out_shape[p.dim] != 1):
         return Replicate()
-    return with_dim(p, in_dim)
+    return p.with_dim(in_dim)
 
 
 def _linear_partial(op_name, operands, m):
@@ -118,4 +114,4 @@ def elementwise_rule(call):
     return OpStrategy(inputs=inputs, outputs=out)
 
 
-__all__ = ["elementwise_strategy", "to_input", "to_output", "with_dim", "Partial"]
+__all__ = ["elementwise_strategy", "to_input", "to_output", "Partial"]

@@ -1,0 +1,51 @@
+"""Where q, k, v and the output live in each context-parallel mode, as DTensor placements.
+
+The sequence arrives split over the CP mesh dims (contiguous blocks). A mode moves some of those
+splits from the sequence to the heads (Ulysses, one all-to-all each) and gathers the rest for K/V
+(all-gather KV). Placements are derived from shard orders, so they compose with any other split
+already on the tensor (TP heads, a StridedShard where CP splits heads inside TP's split).
+"""
+from hyper_parallel.core.dtensor.layout import placements_from_orders, shard_orders
+from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
+
+
+def _orders(placements, mesh, ndim):
+    return [list(o) for o in shard_orders(placements, mesh.mesh_shape, ndim)]
+
+
+def _non_shard(placements):
+    return [Replicate() if p.is_shard() else p for p in placements]
+
+
+def input_placements(mesh, ndim, seq_dim, cp_dims, other=None):
+    """Contiguous sequence blocks over ``cp_dims`` (outer first), plus ``other`` placements."""
+    placements = list(other) if other is not None else [Replicate()] * mesh.ndim
+    orders = _orders(placements, mesh, ndim)
+    orders[seq_dim] = list(cp_dims) + orders[seq_dim]
+    return placements_from_orders(orders, _non_shard(placements), mesh.mesh_shape)
+
+
+def mode_placements(placements, mesh, ndim, seq_dim, head_dim, ulysses_dims, gather_dims):
+    """(q placements, k/v placements) for attention: ``ulysses_dims`` move from the sequence to the
+    heads (innermost), then K/V are replicated over ``gather_dims``."""
+    orders = _orders(placements, mesh, ndim)
+    for m in reversed(ulysses_dims):
+        if not orders[seq_dim] or orders[seq_dim][-1] != m:
+            raise ValueError(f"mesh dim {m} does not hold the innermost sequence split of {placements}")
+        orders[seq_dim].pop()
+    for m in ulysses_dims:
+        orders[head_dim].append(m)
+    non_shard = _non_shard(placements)
+    q = placements_from_orders(orders, non_shard, mesh.mesh_shape)
+    for m in reversed(gather_dims):
+        if orders[seq_dim] and orders[seq_dim][-1] == m:
+            orders[seq_dim].pop()
+    kv = placements_from_orders(orders, non_shard, mesh.mesh_shape)
+    return q, kv
+
+
+def seq_split(placements, seq_dim):
+    return [m for m, p in enumerate(placements) if p.is_shard(seq_dim)]
+
+
+__all__ = ["input_placements", "mode_placements", "seq_split", "Shard"]

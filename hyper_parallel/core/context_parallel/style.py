@@ -1,0 +1,111 @@
+"""ContextParallel: a ParallelStyle for core-attention modules (SPEC §6).
+
+Each rank passes its contiguous block of the sequence. Depending on ``ulysses_degree`` (ds) the
+style runs Ulysses (all-to-all sequence → heads), all-gather KV (queries stay split, K/V gathered,
+the attention rule applies the global causal offset), or the hybrid of both on a (co, ds) mesh.
+The module's forward sees DTensors, so plain matmul/softmax attention code is distributed by the
+same sharding rules as ``F.scaled_dot_product_attention``.
+"""
+import contextvars
+
+from hyper_parallel.core.context_parallel.mode import run_attention
+from hyper_parallel.core.tensor_parallel.style import ParallelStyle
+from hyper_parallel.platform import get_platform
+
+KV_EXCHANGES = ("allgather", "ring")
+_active = contextvars.ContextVar("hp_context_parallel_active", default=frozenset())
+
+
+class ContextParallel(ParallelStyle):
+    def __init__(self, seq_dim=1, head_dim=2, ulysses_degree=None, qkv_indices=(0, 1, 2), qkv_kwarg_names=(),
+                 use_local_output=False, load_balance=False, kv_exchange="allgather"):
+        if seq_dim == head_dim:
+            raise ValueError(f"seq_dim and head_dim must differ (got {seq_dim}); use 1/2 for BSHD, 2/1 for BNSD")
+        if ulysses_degree is not None and (not isinstance(ulysses_degree, int) or ulysses_degree < 1):
+            raise ValueError(f"ulysses_degree must be a positive int or None, got {ulysses_degree!r}")
+        if load_balance and ulysses_degree != 1:
+            raise ValueError(f"load_balance=True needs ulysses_degree=1 (all-gather KV), got "
+                             f"ulysses_degree={ulysses_degree!r}; set ulysses_degree=1 or load_balance=False")
+        if kv_exchange not in KV_EXCHANGES:
+            raise ValueError(f"kv_exchange={kv_exchange!r} is not one of {KV_EXCHANGES}")
+        if len(qkv_indices) != 3 and len(qkv_kwarg_names) < 3:
+            raise ValueError(f"qkv_indices {qkv_indices} must name three positions (q, k, v)")
+        self.seq_dim, self.head_dim = seq_dim, head_dim
+        self.ulysses_degree = ulysses_degree
+        self.qkv_indices, self.qkv_kwarg_names = tuple(qkv_indices), tuple(qkv_kwarg_names)
+        self.use_local_output = use_local_output
+        self.load_balance = load_balance
+        self.kv_exchange = kv_exchange
+
+    # ------------------------------------------------------------------ apply
+    def apply(self, module, device_mesh):
+        mesh = self._cp_mesh(device_mesh)
+        get_platform().replace_forward(module, lambda original: self._make_forward(module, original, mesh))
+        return module
+
+    def _cp_mesh(self, mesh):
+        """The CP mesh: 1-D for pure Ulysses / all-gather, (co, ds) for the hybrid."""
+        if mesh.ndim == 2:
+            if mesh.mesh_dim_names != ("co", "ds"):
+                raise ValueError(f"a 2-D context-parallel mesh must be named ('co', 'ds'), got "
+                                 f"{mesh.mesh_dim_names}; or pass a 1-D mesh and ulysses_degree")
+            if self.ulysses_degree not in (None, mesh.size(1)):
+                raise ValueError(f"ulysses_degree={self.ulysses_degree} does not match the mesh's ds size "
+                                 f"{mesh.size(1)}")
+            return mesh
+        if mesh.ndim != 1:
+            raise ValueError(f"ContextParallel needs a 1-D CP mesh or a ('co', 'ds') mesh, got {mesh.ndim}-D "
+                             f"{mesh.mesh_dim_names}; slice it, e.g. mesh['cp']")
+        cp = mesh.size()
+        ds = self.ulysses_degree or cp
+        if cp % ds:
+            raise ValueError(f"ulysses_degree={ds} does not divide the context-parallel size {cp}")
+        if 1 < ds < cp:
+            return mesh._unflatten(0, (cp // ds, ds), ("co", "ds"))
+        return mesh
+
+    # ------------------------------------------------------------------ forward
+    def _make_forward(self, module, original, mesh):
+        key = id(module)
+
+        def forward(*args, **kwargs):
+            active = _active.get()
+            if key in active:  # a recursive call: inputs are already distributed
+                return original(*args, **kwargs)
+            token = _active.set(active | {key})
+            try:
+                return self._forward(original, mesh, args, kwargs)
+            finally:
+                _active.reset(token)
+        return forward
+
+    def _locate_qkv(self, args, kwargs):
+        slots = []
+        for i, index in enumerate(self.qkv_indices):
+            if index < len(args):
+                slots.append(("arg", index))
+            elif i < len(self.qkv_kwarg_names) and self.qkv_kwarg_names[i] in kwargs:
+                slots.append(("kw", self.qkv_kwarg_names[i]))
+            else:
+                name = ("q", "k", "v")[i]
+                raise ValueError(f"ContextParallel: {name} is missing from the call (looked at position "
+                                 f"{index} and keyword {self.qkv_kwarg_names[i:i + 1] or '-'}); set "
+                                 f"qkv_indices / qkv_kwarg_names to where the module takes q, k, v")
+        return slots
+
+    def _forward(self, original, cp_mesh, args, kwargs):
+        slots = self._locate_qkv(args, kwargs)
+        args = list(args)
+        get = lambda s: args[s[1]] if s[0] == "arg" else kwargs[s[1]]  # noqa: E731
+        qkv = [get(s) for s in slots]
+
+        def call(q, k, v):
+            new_args, new_kwargs = list(args), dict(kwargs)
+            for slot, value in zip(slots, (q, k, v)):
+                if slot[0] == "arg":
+                    new_args[slot[1]] = value
+                else:
+                    new_kwargs[slot[1]] = value
+            return original(*new_args, **new_kwargs)
+        return run_attention(self, cp_mesh, qkv, call)
+
