@@ -13,6 +13,7 @@ from hyper_parallel.platform.torch import autograd_collectives as ag
 from hyper_parallel.platform.torch.aten_kinds import aten_kind, foreach_to_single
 from hyper_parallel.platform.torch.collectives import Collectives
 from hyper_parallel.platform.torch.dtensor_base import TorchDTensorBase
+from hyper_parallel.platform.torch.memory import PeakMemory
 
 
 class TorchPlatform(Platform):
@@ -56,6 +57,10 @@ class TorchPlatform(Platform):
     def reset_peak_memory(self):
         if self.device_type != "cpu":
             self._device_module().reset_peak_memory_stats()
+
+    def track_peak_memory(self):
+        """Context manager measuring the peak bytes allocated inside it (``.peak_bytes``)."""
+        return PeakMemory(self.device_type)
 
     def peak_memory_bytes(self):
         """Peak device memory; on CPU the process's peak resident set (not resettable)."""

@@ -1,0 +1,185 @@
+"""The context-parallel modes the benchmark runs, each in two forms.
+
+* framework: ``ContextParallel`` applied to an ordinary attention module;
+* raw: the same algorithm written by hand with the platform's differentiable collectives only,
+  the yardstick for the framework's own overhead.
+
+Each mode also knows its closed-form communication volume (SPEC §8) and the causal work each
+rank's kernel does (for the imbalance column).
+"""
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hyper_parallel import ContextParallel
+from hyper_parallel.platform import get_platform
+
+SEQ, HEAD = 1, 2  # BSHD
+
+
+class Attention(nn.Module):
+    """Core attention on BSHD tensors."""
+
+    def __init__(self, causal, gqa):
+        super().__init__()
+        self.causal, self.gqa = causal, gqa
+
+    def forward(self, q, k, v):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        extra = {"enable_gqa": True} if self.gqa else {}
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, **extra).transpose(1, 2)
+
+
+@dataclass
+class Mode:
+    name: str
+    ulysses: object          # ulysses_degree for ContextParallel
+    load_balance: bool
+    raw: bool
+    kv_exchange: str = "allgather"
+
+    def supported(self, cfg, world):
+        """None if this mode runs at this size, else why not."""
+        ds = world if self.ulysses is None else self.ulysses
+        if world % ds or self.name.startswith("hybrid") != (1 < ds < world):
+            return f"needs a world that ulysses_degree={ds} divides with 1 < {ds} < world"
+        if cfg.heads % ds or cfg.kv_heads % ds:
+            return f"heads {cfg.heads}/{cfg.kv_heads} not divisible by {ds}"
+        if cfg.seq % (2 * world if self.load_balance else world):
+            return f"seq {cfg.seq} not divisible into {2 * world if self.load_balance else world} blocks"
+        return None
+
+    def build(self, cfg, mesh) -> Callable:
+        if self.raw:
+            return RAW[self.name.replace(" (raw)", "")](cfg, mesh)
+        module = Attention(cfg.causal, cfg.kv_heads != cfg.heads)
+        ContextParallel(seq_dim=SEQ, head_dim=HEAD, ulysses_degree=self.ulysses,
+                        load_balance=self.load_balance, kv_exchange=self.kv_exchange).apply(module, mesh)
+        return module
+
+    def formula_elements(self, cfg, world):
+        """Elements one rank sends in one forward (SPEC §8)."""
+        B, S, P, hq, hkv, D = cfg.batch, cfg.seq, world, cfg.heads, cfg.kv_heads, cfg.head_dim
+        base = self.name.replace(" (raw)", "")
+        if base == "ulysses":
+            return (P - 1) / P * B * (S / P) * D * (2 * hq + 2 * hkv)
+        if base in ("allgather", "allgather-lb", "ring", "ring-zigzag"):
+            volume = 2 * (P - 1) / P * B * S * hkv * D
+            if base == "allgather-lb":
+                volume += 2 * B * (S / (2 * P)) * hq * D
+            return volume
+        u = self.ulysses
+        r = P // u
+        return (u - 1) / u * B * (S / P) * D * (2 * hq + 2 * hkv) + 2 * (r - 1) / r * B * S * hkv * D / u
+
+    def causal_work(self, cfg, world, rank):
+        """(query, key) pairs the kernel visits on this rank, per head group."""
+        S, P = cfg.seq, world
+        base = self.name.replace(" (raw)", "")
+        if not cfg.causal or base.startswith("ulysses"):
+            return 1.0
+        if base.startswith("hybrid"):
+            co = P // self.ulysses
+            block = S // co
+            return float(block * (rank // self.ulysses + 1) * block)
+        if base == "allgather-lb":
+            c = S // (2 * P)
+            return float(c * (2 * rank + 1) * c + c * (2 * P - 2 * rank) * c)
+        L = S // P
+        return float(L * (rank + 1) * L)
+
+
+MODES = [
+    Mode("ulysses", None, False, False),
+    Mode("allgather", 1, False, False),
+    Mode("allgather-lb", 1, True, False),
+    Mode("hybrid", 2, False, False),
+    Mode("ulysses (raw)", None, False, True),
+    Mode("allgather (raw)", 1, False, True),
+    Mode("allgather-lb (raw)", 1, True, True),
+    Mode("hybrid (raw)", 2, False, True),
+]
+
+
+# ---------------------------------------------------------------------------------------- raw forms
+def _sdpa_bshd(q, k, v, causal, gqa, mask=None):
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    extra = {"enable_gqa": True} if gqa else {}
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **extra).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **extra).transpose(1, 2)
+
+
+def _offset_attention(q, k, v, row_start, causal, gqa):
+    """Query rows [row_start, row_start+L) against all keys, global causal mask."""
+    if not causal:
+        return _sdpa_bshd(q, k, v, False, gqa)
+    rows = q.shape[SEQ]
+    visible = row_start + rows
+    k, v = k[:, :visible], v[:, :visible]
+    if row_start == 0:
+        return _sdpa_bshd(q, k, v, True, gqa)
+    mask = torch.arange(visible).unsqueeze(0) <= (torch.arange(rows) + row_start).unsqueeze(1)
+    return _sdpa_bshd(q, k, v, False, gqa, mask)
+
+
+def raw_ulysses(cfg, mesh):
+    platform, group = get_platform(), mesh.get_group(0)
+    gqa = cfg.kv_heads != cfg.heads
+
+    def run(q, k, v):
+        q, k, v = (platform.differentiable_all_to_all(t, group, HEAD, SEQ) for t in (q, k, v))
+        out = _sdpa_bshd(q, k, v, cfg.causal, gqa)
+        return platform.differentiable_all_to_all(out, group, SEQ, HEAD)
+    return run
+
+
+def raw_allgather(cfg, mesh):
+    platform, group = get_platform(), mesh.get_group(0)
+    rank, gqa = mesh.get_local_rank(0), cfg.kv_heads != cfg.heads
+
+    def run(q, k, v):
+        k, v = (platform.differentiable_all_gather(t, group, SEQ) for t in (k, v))
+        return _offset_attention(q, k, v, rank * q.shape[SEQ], cfg.causal, gqa)
+    return run
+
+
+def raw_allgather_lb(cfg, mesh):
+    platform, group = get_platform(), mesh.get_group(0)
+    P, rank, gqa = mesh.size(), mesh.get_local_rank(0), cfg.kv_heads != cfg.heads
+    partner = mesh.group_ranks(0)[P - 1 - rank]
+
+    def swap(t):
+        return t if partner == mesh.get_rank() else platform.differentiable_p2p_exchange(t.contiguous(), partner,
+                                                                                          partner)
+
+    def run(q, k, v):
+        k, v = (platform.differentiable_all_gather(t, group, SEQ) for t in (k, v))
+        head, second = q.chunk(2, SEQ)
+        tail = swap(second)
+        c = head.shape[SEQ]
+        out_head = _offset_attention(head, k, v, 2 * rank * c, cfg.causal, gqa)
+        out_tail = _offset_attention(tail, k, v, (2 * P - 1 - 2 * rank) * c, cfg.causal, gqa)
+        return torch.cat([out_head, swap(out_tail)], SEQ)
+    return run
+
+
+def raw_hybrid(cfg, mesh):
+    platform = get_platform()
+    ds = 2
+    grid = mesh._unflatten(0, (mesh.size() // ds, ds), ("co", "ds"))
+    co_group, ds_group = grid.get_group("co"), grid.get_group("ds")
+    co_rank, gqa = grid.get_local_rank("co"), cfg.kv_heads != cfg.heads
+
+    def run(q, k, v):
+        q, k, v = (platform.differentiable_all_to_all(t, ds_group, HEAD, SEQ) for t in (q, k, v))
+        k, v = (platform.differentiable_all_gather(t, co_group, SEQ) for t in (k, v))
+        out = _offset_attention(q, k, v, co_rank * q.shape[SEQ], cfg.causal, gqa)
+        return platform.differentiable_all_to_all(out, ds_group, SEQ, HEAD)
+    return run
+
+
+RAW = {"ulysses": raw_ulysses, "allgather": raw_allgather, "allgather-lb": raw_allgather_lb, "hybrid": raw_hybrid}

@@ -1,0 +1,81 @@
+"""Printing, JSON and plots for the context-parallel benchmark."""
+import json
+
+# (title, width, formatter)
+COLUMNS = [("mode", 20, str), ("fwd ms", 8, "{:.2f}".format), ("fwd+bwd ms", 10, "{:.2f}".format),
+           ("sent/rank", 10, None), ("formula", 10, None), ("peak mem", 10, None),
+           ("err out", 8, "{:.1e}".format), ("err grad", 8, "{:.1e}".format), ("imbalance", 9, "{:.2f}".format)]
+
+
+def human_bytes(n):
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def header(cfg, world, platform_name, capabilities):
+    lines = [f"hyper_parallel CP attention benchmark — platform {platform_name}, "
+             f"backend {capabilities.get('backend')}, world {world}",
+             f"B={cfg.batch} S={cfg.seq} Hq={cfg.heads} Hkv={cfg.kv_heads} D={cfg.head_dim} "
+             f"dtype={cfg.dtype} causal={cfg.causal} iters={cfg.iters} warmup={cfg.warmup}"]
+    emulated = [f"{k}: {v}" for k, v in capabilities.items() if str(v).startswith("emulated")]
+    if emulated:
+        lines.append("emulated collectives: " + "; ".join(emulated))
+    return "\n".join(lines)
+
+
+def table(rows):
+    def line(cells):
+        return " ".join(c.ljust(w) if k == 0 else c.rjust(w) for k, (c, (_, w, _)) in enumerate(zip(cells, COLUMNS)))
+    out = [line([name for name, _, _ in COLUMNS])]
+    out.append("-" * len(out[0]))
+    for row in rows:
+        if row.get("skipped"):
+            out.append(f"{row['mode']:<20s} skipped: {row['skipped']}")
+            continue
+        values = [row["mode"], row["fwd_ms"], row["fwd_bwd_ms"], row["bytes_fwd"], row["formula_bytes"],
+                  row["peak_mem_bytes"], row["err_out"], row["err_grad"], row["imbalance"]]
+        out.append(line([fmt(v) if fmt else human_bytes(v) for v, (_, _, fmt) in zip(values, COLUMNS)]))
+    return "\n".join(out)
+
+
+def write_json(path, payload):
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+
+
+def plot(path, payload):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install 'hyper-parallel[bench]'); no plot written")
+        return
+    rows = [r for r in payload["rows"] if not r.get("skipped")]
+    sweep = payload.get("sweep") or []
+    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(16 if sweep else 11, 4.5))
+    names = [r["mode"] for r in rows]
+    axes[0].barh(names, [r["fwd_bwd_ms"] for r in rows], label="fwd+bwd")
+    axes[0].barh(names, [r["fwd_ms"] for r in rows], label="fwd")
+    axes[0].set_xlabel("ms (median)")
+    axes[0].legend()
+    axes[1].barh(names, [r["bytes_fwd"] / 2 ** 20 for r in rows], label="counted")
+    axes[1].scatter([r["formula_bytes"] / 2 ** 20 for r in rows], names, color="k", zorder=3, label="formula")
+    axes[1].set_xlabel("MiB sent per rank (forward)")
+    axes[1].legend()
+    if sweep:
+        for mode in sorted({p["mode"] for p in sweep}):
+            points = sorted((p["seq"], p["fwd_bwd_ms"]) for p in sweep if p["mode"] == mode)
+            axes[2].plot([s for s, _ in points], [t for _, t in points], marker="o", label=mode)
+        axes[2].set_xlabel("sequence length")
+        axes[2].set_ylabel("fwd+bwd ms")
+        axes[2].legend(fontsize=7)
+    fig.suptitle(payload["title"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
