@@ -44,7 +44,8 @@ class Mode:
     def supported(self, cfg, world):
         """None if this mode runs at this size, else why not."""
         ds = world if self.ulysses is None else self.ulysses
-        if world % ds or self.name.startswith("hybrid") != (1 < ds < world):
+        if world % ds or self.name.startswith("hybrid") != (1 < ds < world) or (self.kv_exchange == "ring" and
+                                                                                ds == world):
             return f"needs a world that ulysses_degree={ds} divides with 1 < {ds} < world"
         if cfg.heads % ds or cfg.kv_heads % ds:
             return f"heads {cfg.heads}/{cfg.kv_heads} not divisible by {ds}"
@@ -70,6 +71,8 @@ class Mode:
             volume = 2 * (P - 1) / P * B * S * hkv * D
             if base == "allgather-lb":
                 volume += 2 * B * (S / (2 * P)) * hq * D
+            if base == "ring-zigzag":  # q, k, v halves in and the output half back
+                volume += B * (S / (2 * P)) * D * (2 * hq + 2 * hkv) if P > 1 else 0
             return volume
         u = self.ulysses
         r = P // u
@@ -85,7 +88,7 @@ class Mode:
             co = P // self.ulysses
             block = S // co
             return float(block * (rank // self.ulysses + 1) * block)
-        if base == "allgather-lb":
+        if base in ("allgather-lb", "ring-zigzag"):
             c = S // (2 * P)
             return float(c * (2 * rank + 1) * c + c * (2 * P - 2 * rank) * c)
         L = S // P
@@ -97,6 +100,9 @@ MODES = [
     Mode("allgather", 1, False, False),
     Mode("allgather-lb", 1, True, False),
     Mode("hybrid", 2, False, False),
+    Mode("ring", 1, False, False, "ring"),
+    Mode("ring-zigzag", 1, True, False, "ring"),
+    Mode("hybrid-ring", 2, False, False, "ring"),
     Mode("ulysses (raw)", None, False, True),
     Mode("allgather (raw)", 1, False, True),
     Mode("allgather-lb (raw)", 1, True, True),

@@ -109,11 +109,11 @@ def _mode_dims(style, cp_mesh, inputs):
 
 
 def run_attention(style, cp_mesh, qkv, call):
-    if style.kv_exchange == "ring":
-        from hyper_parallel.core.context_parallel.ring import run_ring_attention
-        return run_ring_attention(style, cp_mesh, qkv, call)
     inputs = _gather_inputs(style, cp_mesh, qkv)
     ulysses_dims, gather_dims = _mode_dims(style, cp_mesh, inputs)
+    if style.kv_exchange == "ring" and gather_dims:
+        from hyper_parallel.core.context_parallel.ring_mode import run_ring
+        return _deliver(style, inputs, run_ring(style, inputs, ulysses_dims, gather_dims[0], call))
     _validate(style, inputs, ulysses_dims)
     mesh, seq = inputs.mesh, style.seq_dim % inputs.locals[0].ndim
     head = style.head_dim % inputs.locals[0].ndim

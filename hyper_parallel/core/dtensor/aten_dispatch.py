@@ -5,7 +5,7 @@ optimizer updates, in-place methods and ops with no user-level rule. Autograd is
 so the redistributions here are plain (non-differentiable) moves.
 """
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
-from hyper_parallel.core.dtensor.dispatch import common_mesh
+from hyper_parallel.core.dtensor.dispatch import check_ring_inputs, common_mesh, ensure_leaf_grad_layout
 from hyper_parallel.core.dtensor.fallback import report_missing_rule
 from hyper_parallel.core.dtensor.layout import grad_placements
 from hyper_parallel.core.dtensor.ops.elementwise import elementwise_strategy
@@ -135,7 +135,12 @@ def _foreach(func, args, kwargs):
 def _fallback(func, args, kwargs):
     leaves, structure = tree_flatten((args, kwargs))
     mesh = common_mesh(leaves, _op_name(func))
+    check_ring_inputs(_op_name(func), leaves)
     report_missing_rule(str(getattr(func, "__name__", func)))
+    if _platform.is_grad_enabled():
+        for leaf in leaves:  # a leaf's gradient keeps the leaf's placements, via this path too
+            if isinstance(leaf, DTensor):
+                ensure_leaf_grad_layout(leaf)
     replicate = (Replicate(),) * mesh.ndim
     full = [_move(x, x._spec.with_placements(replicate)) if isinstance(x, DTensor) else x for x in leaves]
     local_args, local_kwargs = tree_unflatten(full, structure)

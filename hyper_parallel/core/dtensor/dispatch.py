@@ -82,11 +82,30 @@ def meta_outputs(func, args, kwargs):
     return [tuple(o.shape) for o in outs if _platform.is_tensor(o)]
 
 
+# Ops a ring-attention input may flow through before reaching the attention op (see ring.py).
+RING_PASS_THROUGH = frozenset({"transpose", "permute", "movedim", "t", "view", "identity", "cast", "expand",
+                               "contiguous"})
+RING_CONSUMERS = frozenset({"sdpa", "npu_fusion_attention"})
+
+
+def check_ring_inputs(name, leaves):
+    if name in RING_PASS_THROUGH or name in RING_CONSUMERS:
+        return any(getattr(x, "_hp_ring", False) for x in leaves)
+    if any(getattr(x, "_hp_ring", False) for x in leaves):
+        raise ValueError(f"ContextParallel(kv_exchange='ring') cannot ring the attention code in this module: "
+                         f"q/k/v reach '{name}'. Write the attention with F.scaled_dot_product_attention (or "
+                         f"the NPU fused kernel), or use kv_exchange='allgather'.")
+    return False
+
+
 def dispatch_function(name, func, args, kwargs):
     rule = get_rule(name)
     if rule is None:
+        leaves, _ = tree_flatten((args, kwargs))
+        check_ring_inputs(name, leaves)
         return NotImplemented
     leaves, structure = tree_flatten((args, kwargs))
+    ring_marked = check_ring_inputs(name, leaves)
     mesh = common_mesh(leaves, name)
     leaves = [promote_plain(x, mesh) for x in leaves]
     call_args, call_kwargs = tree_unflatten(leaves, structure)
@@ -121,6 +140,8 @@ def dispatch_function(name, func, args, kwargs):
     for out in out_leaves:
         if _platform.is_tensor(out):
             out = _from_local(out, DTensorSpec(mesh, tuple(out_placements[k]), out_shapes[k]))
+            if ring_marked and name in RING_PASS_THROUGH:
+                out._hp_ring = True
             k += 1
         wrapped.append(out)
     return tree_unflatten(wrapped, out_structure)

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hyper_parallel.platform.base import Platform
+from hyper_parallel.platform.torch import attention_kernels
 from hyper_parallel.platform.torch import autograd_collectives as ag
 from hyper_parallel.platform.torch.aten_kinds import aten_kind, foreach_to_single
 from hyper_parallel.platform.torch.collectives import Collectives
@@ -298,6 +299,16 @@ class TorchPlatform(Platform):
         kwargs = {"enable_gqa": True} if enable_gqa else {}
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, **kwargs)
+
+    @staticmethod
+    def attention_block_forward(q, k, v, causal=False, scale=None):
+        """(out, float32 log-sum-exp) of attention over one key block (batch, heads, seq, dim)."""
+        return attention_kernels.block_forward(q, k, v, causal, scale)
+
+    @staticmethod
+    def attention_block_backward(grad_out, q, k, v, out, lse, causal=False, scale=None):
+        """(dq, dk, dv) of one key block, given the final output and log-sum-exp of the row."""
+        return attention_kernels.block_backward(grad_out, q, k, v, out, lse, causal, scale)
 
     @contextlib.contextmanager
     def default_device(self):

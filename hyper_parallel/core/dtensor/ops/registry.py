@@ -46,7 +46,9 @@ class OpCall:
         self.mesh = mesh
         self.dtensors = dtensors            # DTensor leaves, in flatten order
         self.specs = [d._spec for d in dtensors]
-        self._index = {id(d): i for i, d in enumerate(dtensors)}
+        self._index = {}
+        for i, d in enumerate(dtensors):
+            self._index.setdefault(id(d), i)  # an input passed twice answers to its first position
 
     @property
     def out_shapes(self):

@@ -1,0 +1,161 @@
+"""Ring attention: K/V blocks travel rank to rank while each rank merges partial results by their
+log-sum-exp, so no rank ever holds more than two K/V blocks (memory O(S/P)).
+
+Forward, P steps: start sending the current K/V block to the next rank, attend the local queries
+to it (skipping blocks wholly above the causal diagonal, the causal kernel on the diagonal), merge
+in float32, then take the block that arrived. Backward recomputes each block's gradients from the
+saved output and log-sum-exp; dK/dV accumulators travel with their blocks (P-1 hops, the last one
+home), so backward moves twice the forward bytes and keeps the same memory bound.
+
+With ``zigzag`` each rank holds two sequence chunks (ids 2r and 2P-1-2r of 2P, see load_balance.py)
+so every rank does the same causal work.
+"""
+from dataclasses import dataclass
+
+from hyper_parallel.platform import get_platform
+
+SEQ = -2  # kernels see (batch, heads, seq, dim)
+
+
+@dataclass(frozen=True)
+class RingLayout:
+    ranks: tuple       # global ranks in ring order
+    index: int         # this rank's position
+    zigzag: bool = False
+
+    @property
+    def size(self):
+        return len(self.ranks)
+
+    def chunk_ids(self, position):
+        """Global ids of the sequence chunks held at ring ``position`` (in sub-chunk units)."""
+        if self.zigzag:
+            return (2 * position, 2 * self.size - 1 - 2 * position)
+        return (position,)
+
+
+def _relation(q_id, k_id, causal):
+    if not causal or k_id < q_id:
+        return "full"
+    return "diag" if k_id == q_id else "skip"
+
+
+def _expand_heads(t, groups):
+    return t if groups == 1 else t.repeat_interleave(groups, dim=-3)
+
+
+def _fold_heads(t, groups):
+    return t if groups == 1 else t.unflatten(-3, (t.shape[-3] // groups, groups)).sum(-3)
+
+
+def _merge(acc, out, lse):
+    """Combine two partial attentions over disjoint keys by their log-sum-exp."""
+    if acc is None:
+        return out.to(lse.dtype), lse
+    acc_out, acc_lse = acc
+    new_lse = acc_lse.logaddexp(lse)
+    merged = acc_out * (acc_lse - new_lse).exp().unsqueeze(-1) + out.to(lse.dtype) * (lse - new_lse).exp().unsqueeze(-1)
+    return merged, new_lse
+
+
+class _Ring:
+    """Neighbours and async block exchange on the ring."""
+
+    def __init__(self, layout):
+        self.layout = layout
+        me, n = layout.index, layout.size
+        self.next, self.prev = layout.ranks[(me + 1) % n], layout.ranks[(me - 1) % n]
+
+    def start(self, tensors):
+        platform = get_platform()
+        return platform.p2p_exchange([(t, self.next) for t in tensors], [(t, self.prev) for t in tensors],
+                                     async_op=True)
+
+
+def _forward(ctx, q, k, v, layout, causal, scale):
+    platform = get_platform()
+    ring, n_sub = _Ring(layout), len(layout.chunk_ids(0))
+    groups = q.shape[-3] // k.shape[-3]
+    q_parts = q.chunk(n_sub, SEQ)
+    my_ids = layout.chunk_ids(layout.index)
+    acc = [None] * n_sub
+    kv = (k.contiguous(), v.contiguous())
+    for step in range(layout.size):
+        holder = (layout.index - step) % layout.size
+        pending = ring.start(kv) if step < layout.size - 1 else None
+        k_parts, v_parts = kv[0].chunk(n_sub, SEQ), kv[1].chunk(n_sub, SEQ)
+        for i, qi in enumerate(q_parts):
+            for j, k_id in enumerate(layout.chunk_ids(holder)):
+                relation = _relation(my_ids[i], k_id, causal)
+                if relation == "skip":
+                    continue
+                out, lse = platform.attention_block_forward(
+                    qi, _expand_heads(k_parts[j], groups), _expand_heads(v_parts[j], groups),
+                    relation == "diag", scale)
+                acc[i] = _merge(acc[i], out, lse)
+        if pending is not None:
+            kv = tuple(pending.wait())
+    out = platform.cat([a[0] for a in acc], SEQ % q.ndim).to(q.dtype)
+    lse = platform.cat([a[1] for a in acc], -1)
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.layout, ctx.causal, ctx.scale = layout, causal, scale
+    return out
+
+
+def _backward(ctx, grad_out):
+    platform = get_platform()
+    q, k, v, out, lse = ctx.saved_tensors
+    layout, causal, scale = ctx.layout, ctx.causal, ctx.scale
+    ring, n_sub = _Ring(layout), len(layout.chunk_ids(0))
+    groups = q.shape[-3] // k.shape[-3]
+    acc_dtype = lse.dtype
+    q_parts, out_parts = q.chunk(n_sub, SEQ), out.chunk(n_sub, SEQ)
+    g_parts, lse_parts = grad_out.contiguous().chunk(n_sub, SEQ), lse.chunk(n_sub, -1)
+    my_ids = layout.chunk_ids(layout.index)
+    dq = [p.new_zeros(p.shape, dtype=acc_dtype) for p in q_parts]
+    kv = (k.contiguous(), v.contiguous())
+    own = travelling = None
+    for step in range(layout.size):
+        holder = (layout.index - step) % layout.size
+        pending = ring.start(kv) if step < layout.size - 1 else None
+        dk, dv = kv[0].new_zeros(kv[0].shape, dtype=acc_dtype), kv[1].new_zeros(kv[1].shape, dtype=acc_dtype)
+        k_parts, v_parts = kv[0].chunk(n_sub, SEQ), kv[1].chunk(n_sub, SEQ)
+        dk_parts, dv_parts = dk.chunk(n_sub, SEQ), dv.chunk(n_sub, SEQ)
+        for i in range(n_sub):
+            for j, k_id in enumerate(layout.chunk_ids(holder)):
+                relation = _relation(my_ids[i], k_id, causal)
+                if relation == "skip":
+                    continue
+                dqi, dkj, dvj = platform.attention_block_backward(
+                    g_parts[i], q_parts[i], _expand_heads(k_parts[j], groups), _expand_heads(v_parts[j], groups),
+                    out_parts[i], lse_parts[i], relation == "diag", scale)
+                dq[i] += dqi
+                dk_parts[j].add_(_fold_heads(dkj, groups))
+                dv_parts[j].add_(_fold_heads(dvj, groups))
+        if step == 0:
+            own = (dk, dv)
+        else:
+            if travelling is not None:
+                dk, dv = dk + travelling[0], dv + travelling[1]
+            # hand this block's gradient on; receive the one for the block held next (or our own)
+            travelling = tuple(ring.start((dk, dv)).wait())
+        if pending is not None:
+            kv = tuple(pending.wait())
+    dk, dv = own
+    if travelling is not None:
+        dk, dv = dk + travelling[0], dv + travelling[1]
+    grad_q = platform.cat(dq, SEQ % q.ndim).to(q.dtype)
+    return grad_q, dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+_ring_fn = get_platform().make_autograd_function("RingAttention", _forward, _backward)
+
+
+def ring_attention(q, k, v, layout, causal=False, scale=None):
+    """Attention of local queries against the K/V blocks of every rank in ``layout``'s ring.
+
+    q, k, v: this rank's (batch, heads, seq, dim) blocks (k/v may have fewer heads: GQA)."""
+    if q.shape[-3] % k.shape[-3]:
+        raise ValueError(f"ring attention: {q.shape[-3]} query heads are not a multiple of {k.shape[-3]} "
+                         f"key/value heads")
+    return _ring_fn(q, k, v, layout, causal, scale)

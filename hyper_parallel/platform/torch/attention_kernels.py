@@ -1,0 +1,57 @@
+"""Attention on one block of keys that also returns (and can restart from) the log-sum-exp: the
+kernels ring attention is built from. Tensors are (batch, heads, seq, dim); ``causal`` is the
+top-left aligned mask j <= i; the log-sum-exp is float32 (float64 for float64 inputs), shaped
+(batch, heads, seq).
+
+CPU uses the fused flash-attention-for-CPU kernels; elsewhere a plain tensor version (exact, not
+memory-efficient) is the fallback.
+"""
+import torch
+
+_aten = torch.ops.aten
+
+
+def block_forward(q, k, v, causal, scale):
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return _math_forward(q, k, v, causal, scale)
+
+
+def block_backward(grad_out, q, k, v, out, lse, causal, scale):
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.contiguous(), q, k, v, out, lse, 0.0, causal, scale=scale)
+    return _math_backward(grad_out, q, k, v, out, lse, causal, scale)
+
+
+def _acc(t):
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _scores(q, k, causal, scale):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = torch.matmul(_acc(q), _acc(k).transpose(-1, -2)) * scale
+    if causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~mask, float("-inf"))
+    return s, scale
+
+
+def _math_forward(q, k, v, causal, scale):
+    s, _ = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _acc(v))
+    return out.to(q.dtype), lse
+
+
+def _math_backward(grad_out, q, k, v, out, lse, causal, scale):
+    s, scale = _scores(q, k, causal, scale)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    g = _acc(grad_out)
+    dv = torch.matmul(p.transpose(-1, -2), g)
+    dp = torch.matmul(g, _acc(v).transpose(-1, -2))
+    delta = (g * _acc(out)).sum(-1, keepdim=True)
+    ds = p * (dp - delta)
+    dq = torch.matmul(ds, _acc(k)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), _acc(q)) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
