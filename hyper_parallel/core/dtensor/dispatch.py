@@ -66,20 +66,47 @@ def ensure_leaf_grad_layout(dtensor):
     dtensor._hp_hooked = True
 
 
+_META_CACHE = {}
+
+
+def _meta_key(func, leaves, structure):
+    key = [func, repr(structure)]
+    for leaf in leaves:
+        if isinstance(leaf, DTensor):
+            key.append(("D", leaf._spec.shape, leaf.dtype))
+        elif _platform.is_tensor(leaf):
+            key.append(("T", tuple(leaf.shape), leaf.dtype))
+        else:
+            try:
+                hash(leaf)
+                key.append(leaf)
+            except TypeError:  # e.g. slices in an index
+                key.append(repr(leaf))
+    return tuple(key)
+
+
 def meta_outputs(func, args, kwargs):
-    """Global (shape, dtype) of every tensor output, from running ``func`` on meta tensors."""
-    def to_meta(x):
-        if isinstance(x, DTensor):
-            return _platform.meta_tensor(x._spec.shape, x.dtype)
-        if _platform.is_tensor(x):
-            return _platform.to_meta(x)
-        return x
+    """Global shapes of every tensor output, from running ``func`` once on meta tensors (cached:
+    a meta run of a composite op costs milliseconds, a training loop repeats the same calls)."""
     leaves, structure = tree_flatten((args, kwargs))
-    meta_args, meta_kwargs = tree_unflatten([to_meta(x) for x in leaves], structure)
-    with _platform.no_grad():
-        result = func(*meta_args, **meta_kwargs)
-    outs, _ = tree_flatten(result)
-    return [tuple(o.shape) for o in outs if _platform.is_tensor(o)]
+    key = _meta_key(func, leaves, structure)
+    shapes = _META_CACHE.get(key)
+    if shapes is None:
+        def to_meta(x):
+            if isinstance(x, DTensor):
+                return _platform.meta_tensor(x._spec.shape, x.dtype)
+            if _platform.is_tensor(x):
+                return _platform.to_meta(x)
+            return x
+        meta_args, meta_kwargs = tree_unflatten([to_meta(x) for x in leaves], structure)
+        with _platform.no_grad():
+            result = func(*meta_args, **meta_kwargs)
+        outs, _ = tree_flatten(result)
+        shapes = [tuple(o.shape) for o in outs if _platform.is_tensor(o)]
+        if len(_META_CACHE) > 65536:
+            _META_CACHE.clear()
+        _META_CACHE[key] = shapes
+    return shapes
 
 
 # Ops a ring-attention input may flow through before reaching the attention op (see ring.py).
@@ -89,6 +116,7 @@ RING_CONSUMERS = frozenset({"sdpa", "npu_fusion_attention"})
 
 
 def check_ring_inputs(name, leaves):
+    """True if a ring-marked input passes through this op; ValueError if the op would consume it."""
     if name in RING_PASS_THROUGH or name in RING_CONSUMERS:
         return any(getattr(x, "_hp_ring", False) for x in leaves)
     if any(getattr(x, "_hp_ring", False) for x in leaves):
