@@ -171,13 +171,18 @@ def _check_local_shapes(local_tensor, spec):
     platform = get_platform()
     mesh = spec.mesh
     expected = spec.local_shape
-    ok = platform.tensor([1 if tuple(local_tensor.shape) == expected else 0])
+    # [ok, shape, -shape] min-reduced: every rank's shard fits, and all ranks agree on the shape
+    shape = [int(s) for s in spec.shape]
+    ok = platform.tensor([1 if tuple(local_tensor.shape) == expected else 0] + shape + [-s for s in shape],
+                         device=local_tensor.device)
     for m in range(mesh.ndim):
         ok = platform.all_reduce(ok, mesh.get_group(m), "min")
-    if int(ok.item()) != 1:
+    ok = [int(v) for v in ok.tolist()]
+    if ok[0] != 1 or ok[1:1 + len(shape)] != [-v for v in ok[1 + len(shape):]]:
         raise ValueError(f"from_local(run_check=True): local shapes do not form a {list(spec.shape)} tensor "
-                         f"laid out as {spec.placements} (this rank has {tuple(local_tensor.shape)}, "
-                         f"expected {expected}); pass shape= for uneven shards")
+                         f"laid out as {spec.placements} on every rank (this rank has "
+                         f"{tuple(local_tensor.shape)}, expected {expected}); pass the same shape= on every "
+                         f"rank for uneven shards")
 
 
 __all__ = ["DTensor", "Shard", "Replicate", "as_layout"]

@@ -2,12 +2,14 @@
 
 The planner works on *shard orders* (per tensor dim, the mesh dims splitting it, innermost last):
 
+0. Local slices that are possible right away come first, then the all-reduces of Partial mesh
+   dims that stay unsharded, so later collectives move less.
 1. Shards that must go are taken off innermost first. A mesh dim that moves from Shard(d) to
    Shard(e) is one all-to-all when it can become the innermost split of e; otherwise it is
    all-gathered.
 2. Missing shards are added outermost first: Replicate -> Shard is a local slice, Partial -> Shard
-   one reduce-scatter.
-3. What is left: Partial -> Replicate all-reduce, Replicate -> Partial local.
+   one reduce-scatter (slices before reduce-scatters).
+3. What is left: Replicate -> Partial local.
 
 Uneven shards (``torch.chunk`` sizes) are padded to equal blocks for the collective and trimmed
 after, so every step stays one collective. Plans are cached per (mesh, shape, src, dst).
@@ -74,6 +76,36 @@ def _plan(mesh_shape, coordinate, shape, src, dst):
     def can_append(dim, m):
         return m in target[dim] and orders[dim] == target[dim][:target[dim].index(m)]
 
+    def add_shards(local_only):
+        """Add missing shards, outermost first per tensor dim; local slices before reduce-scatters
+        (each slice shrinks what later collectives move). A mesh dim still sharding another tensor
+        dim waits for phase 1."""
+        while True:
+            ready = [(e, target[e][len(orders[e])]) for e in range(ndim)
+                     if len(orders[e]) < len(target[e]) and orders[e] == target[e][:len(orders[e])]]
+            ready = [(e, m) for e, m in ready if state[m] is not None]
+            local = [(e, m) for e, m in ready if not isinstance(state[m], Partial)]
+            if not local and (local_only or not ready):
+                return
+            e, m = (local or ready)[0]
+            if isinstance(state[m], Partial):
+                steps.append(Step("reduce_scatter", m, e, op=state[m].reduce_op, sizes=sizes(e, m)))
+            else:
+                _, size = dim_range(shape[e], orders[e], layout_of(), mesh_shape, coordinate)
+                index, parts = dst[m].chunk_of(coordinate[m], mesh_shape[m])
+                start, length = chunk_range(0, size, parts, index)
+                steps.append(Step("local_chunk", m, e, sizes=(start, length)))
+            orders[e].append(m)
+            state[m] = None
+
+    # Phase 0: local slices that need nothing else first, then the all-reduces of Partial mesh dims
+    # that do not become shards (on the smallest local tensor: before any all-gather grows it).
+    add_shards(local_only=True)
+    for m, want in enumerate(dst):
+        if isinstance(state[m], Partial) and not want.is_shard() and state[m] != want:
+            steps.append(Step("all_reduce", m, op=state[m].reduce_op))
+            state[m] = Replicate()
+
     # Phase 1: take off shards that are not in the stable prefix, innermost first.
     while True:
         removable = [(d, orders[d][-1]) for d in range(ndim) if len(orders[d]) > stable_len(d)]
@@ -94,18 +126,8 @@ def _plan(mesh_shape, coordinate, shape, src, dst):
             orders[d].pop()
             state[m] = Replicate()
 
-    # Phase 2: add missing shards, outermost first.
-    for e in range(ndim):
-        for m in target[e][len(orders[e]):]:
-            if isinstance(state[m], Partial):
-                steps.append(Step("reduce_scatter", m, e, op=state[m].reduce_op, sizes=sizes(e, m)))
-            else:
-                _, size = dim_range(shape[e], orders[e], layout_of(), mesh_shape, coordinate)
-                index, parts = dst[m].chunk_of(coordinate[m], mesh_shape[m])
-                start, length = chunk_range(0, size, parts, index)
-                steps.append(Step("local_chunk", m, e, sizes=(start, length)))
-            orders[e].append(m)
-            state[m] = None
+    # Phase 2: add the missing shards.
+    add_shards(local_only=False)
 
     # Phase 3: replicate / partial conversions.
     for m, want in enumerate(dst):
