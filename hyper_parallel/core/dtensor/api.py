@@ -1,20 +1,22 @@
 """distribute_tensor / distribute_module: turn ordinary tensors and modules into DTensor ones."""
+import numpy as np
+
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
 from hyper_parallel.core.dtensor.placement_types import Replicate, normalize_placements
 from hyper_parallel.core.dtensor.spec import DTensorSpec
 from hyper_parallel.platform import get_platform
 
 
-def _broadcast_from(tensor, mesh, src_rank):
-    """Every rank of ``mesh`` gets ``src_rank``'s ``tensor``: one broadcast per mesh dim, each from
-    the rank in the line that already holds the data."""
-    if src_rank not in mesh.rank_list:
-        raise ValueError(f"src_data_rank={src_rank} is not a rank of {mesh}; pick one of {mesh.rank_list} "
-                         f"or None to use each rank's own copy")
+def _broadcast_from(tensor, mesh, src_index):
+    """Every rank of ``mesh`` gets the ``tensor`` of the mesh's rank ``src_index`` (its position in
+    ``mesh.rank_list``): one broadcast per mesh dim, each from the rank in the line that already
+    holds the data."""
+    if not isinstance(src_index, int) or not 0 <= src_index < mesh.size():
+        raise ValueError(f"src_data_rank={src_index!r} is not a rank of {mesh} (a position 0..{mesh.size() - 1} in "
+                         f"its rank_list, as in PyTorch); or pass None to use each rank's own copy")
     platform = get_platform()
-    import numpy as np
     grid = np.asarray(mesh.rank_list).reshape(mesh.mesh_shape)
-    src_coord = [int(c) for c in np.argwhere(grid == src_rank)[0]]
+    src_coord = [int(c) for c in np.unravel_index(src_index, mesh.mesh_shape)]
     me = list(mesh.get_coordinate())
     for m in range(mesh.ndim):
         coord = me[:m] + [src_coord[m]] + me[m + 1:]
@@ -25,8 +27,9 @@ def _broadcast_from(tensor, mesh, src_rank):
 def distribute_tensor(tensor, device_mesh, placements=None, *, src_data_rank=0):
     """Shard or replicate a global ``tensor`` over ``device_mesh``.
 
-    With ``src_data_rank`` (a global rank) the data really comes from that rank; with None every
-    rank slices its own (identical) copy and nothing is communicated.
+    With ``src_data_rank`` (a rank within the mesh, i.e. a position in ``mesh.rank_list``, as in
+    PyTorch) the data really comes from that rank; with None every rank slices its own (identical)
+    copy and nothing is communicated.
     """
     placements = placements or [Replicate()] * device_mesh.ndim
     placements = normalize_placements(placements, tensor.ndim, device_mesh.ndim)
