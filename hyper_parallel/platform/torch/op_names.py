@@ -37,6 +37,9 @@ _EXPLICIT = {
     "mean": [torch.mean, torch.Tensor.mean],
     "amax": [torch.amax, torch.Tensor.amax],
     "amin": [torch.amin, torch.Tensor.amin],
+    # max / min are a reduction (no dim, or dim -> values and indices) or elementwise (other tensor)
+    "max": [torch.max, torch.Tensor.max],
+    "min": [torch.min, torch.Tensor.min],
     "embedding": [F.embedding],
     "layer_norm": [F.layer_norm],
     "rms_norm": [getattr(F, "rms_norm", None)],
