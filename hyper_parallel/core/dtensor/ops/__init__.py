@@ -9,6 +9,7 @@ from hyper_parallel.core.dtensor.ops import (  # noqa: F401  (registration side 
     loss,
     matmul,
     norms,
+    npu_attention,
     reductions,
     slicing,
     softmax,
