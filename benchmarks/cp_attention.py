@@ -207,6 +207,8 @@ class _Bench:
         with CommDebugMode() as comm:
             out = attn(*[t.detach().requires_grad_() for t in blocks])
         sent_fwd = sum(b for op, b in comm.get_comm_bytes().items() if op != "shape_check")
+        if getattr(mode, "forward_only", False):
+            return self._run_forward_only(mode, attn, blocks, out, sent_fwd)
         with CommDebugMode() as comm:
             out, inputs = forward_backward()
         sent_all = sum(b for op, b in comm.get_comm_bytes().items() if op != "shape_check")
@@ -230,6 +232,23 @@ class _Bench:
                 "imbalance": float(works.max() / works.min()),
                 "ok": max(err_out, err_grad) <= TOLERANCE[a.dtype]}
 
+    def _run_forward_only(self, mode, attn, blocks, out, sent_fwd):
+        """A row for a peer that has no backward here: forward time, bytes, memory and error only."""
+        torch, a = self.torch, self.args
+        err_out = (out.detach().float() - self._block(self.ref[0]).float()).abs().max().item()
+        with torch.no_grad():
+            with self.platform.track_peak_memory() as mem:
+                attn(*blocks)
+            fwd = self._time(lambda: attn(*blocks))
+        work = self.torch.tensor([mode.causal_work(a, self.world, self.rank)])
+        works = self.platform.all_gather(work, None, 0)
+        err_out = self._reduce(err_out, "max")
+        return {"mode": f"{mode.name} (fwd only)", "fwd_ms": fwd, "fwd_bwd_ms": None,
+                "bytes_fwd": self._reduce(sent_fwd, "max"), "bytes_fwd_bwd": None,
+                "formula_bytes": mode.formula_elements(a, self.world) * self.full[0].element_size(),
+                "peak_mem_bytes": self._reduce(mem.peak_bytes, "max"), "err_out": err_out, "err_grad": None,
+                "imbalance": float(works.max() / works.min()), "ok": err_out <= TOLERANCE[a.dtype]}
+
     def sweep(self, modes):
         points = []
         full_seq = self.args.seq
@@ -239,7 +258,7 @@ class _Bench:
             for mode in modes:
                 self.args.seq = seq
                 row = self.run(mode)
-                if not row.get("skipped"):
+                if not row.get("skipped") and row["fwd_bwd_ms"] is not None:
                     points.append({"mode": mode.name, "seq": seq, "fwd_bwd_ms": row["fwd_bwd_ms"]})
         self.args.seq = full_seq
         return points

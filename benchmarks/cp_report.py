@@ -39,7 +39,8 @@ def table(rows):
             continue
         values = [row["mode"], row["fwd_ms"], row["fwd_bwd_ms"], row["bytes_fwd"], row["formula_bytes"],
                   row["peak_mem_bytes"], row["err_out"], row["err_grad"], row["imbalance"]]
-        out.append(line([fmt(v) if fmt else human_bytes(v) for v, (_, _, fmt) in zip(values, COLUMNS)]))
+        out.append(line([("-" if v is None else fmt(v)) if fmt else human_bytes(v)
+                         for v, (_, _, fmt) in zip(values, COLUMNS)]))
     return "\n".join(out)
 
 
@@ -60,7 +61,7 @@ def plot(path, payload):
     sweep = payload.get("sweep") or []
     fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(16 if sweep else 11, 4.5))
     names = [r["mode"] for r in rows]
-    axes[0].barh(names, [r["fwd_bwd_ms"] for r in rows], label="fwd+bwd")
+    axes[0].barh(names, [r["fwd_bwd_ms"] or 0 for r in rows], label="fwd+bwd")
     axes[0].barh(names, [r["fwd_ms"] for r in rows], label="fwd")
     axes[0].set_xlabel("ms (median)")
     axes[0].legend()

@@ -93,8 +93,12 @@ def _forward(ctx, q, k, v, layout, causal, scale):
                     qi, _expand_heads(k_parts[j], groups), _expand_heads(v_parts[j], groups),
                     relation == "diag", scale)
                 acc[i] = _merge(acc[i], out, lse)
+        # drop every reference to the block just used (views, the finished send) before the next
+        # exchange allocates its receive buffers: at most two blocks are alive at any time
+        k_parts = v_parts = None
         if pending is not None:
             kv = tuple(pending.wait())
+            pending = None
     out = platform.cat([a[0] for a in acc], SEQ % q.ndim).to(q.dtype)
     lse = platform.cat([a[1] for a in acc], -1)
     ctx.save_for_backward(q, k, v, out, lse)
@@ -136,11 +140,16 @@ def _backward(ctx, grad_out):
             own = (dk, dv)
         else:
             if travelling is not None:
-                dk, dv = dk + travelling[0], dv + travelling[1]
+                dk.add_(travelling[0])
+                dv.add_(travelling[1])
+                travelling = None
             # hand this block's gradient on; receive the one for the block held next (or our own)
             travelling = tuple(ring.start((dk, dv)).wait())
+        # as in forward: release the block just used before the next exchange starts
+        dk = dv = k_parts = v_parts = dk_parts = dv_parts = None
         if pending is not None:
             kv = tuple(pending.wait())
+            pending = None
     dk, dv = own
     if travelling is not None:
         dk, dv = dk + travelling[0], dv + travelling[1]

@@ -60,6 +60,10 @@ class ContextParallel(ParallelStyle):
         ds = self.ulysses_degree or cp
         if cp % ds:
             raise ValueError(f"ulysses_degree={ds} does not divide the context-parallel size {cp}")
+        if self.kv_exchange == "ring" and ds == cp and cp > 1:
+            raise ValueError(f"kv_exchange='ring' rings K/V over cp/ulysses_degree ranks, but ulysses_degree="
+                             f"{self.ulysses_degree} leaves none (cp={cp}); set ulysses_degree=1 for pure ring "
+                             f"or 1 < ulysses_degree < {cp} for Ulysses x ring")
         if 1 < ds < cp:
             return mesh._unflatten(0, (cp // ds, ds), ("co", "ds"))
         return mesh

@@ -1,9 +1,9 @@
 """Peak memory of a region of code.
 
 Accelerators report their allocator's peak. The CPU allocator keeps no statistics, so on CPU a
-dispatch mode counts the bytes of every storage created inside the region while it is alive (a
-storage is released when the first tensor that owned it dies; views that outlive it are not
-counted).
+dispatch mode counts the bytes of every storage created inside the region for as long as the
+storage lives (torch keeps a storage's Python object alive while any tensor, view or saved tensor
+uses it).
 """
 import weakref
 
@@ -34,7 +34,7 @@ class _LiveBytes(TorchDispatchMode):
             self._seen.add(key)
             self.live += storage.nbytes()
             self.peak = max(self.peak, self.live)
-            weakref.finalize(t, self._release, key, storage.nbytes())
+            weakref.finalize(storage, self._release, key, storage.nbytes())
         return out
 
 
