@@ -11,7 +11,7 @@ the work), so its gradient is tagged Partial(sum) and summed where it is next ne
 input's gradient is replicated. This gives PyTorch DTensor's gradient semantics without a rule for
 any backward op.
 """
-from hyper_parallel.core.dtensor.dtensor import DTensor, _from_local, _to_local, as_layout
+from hyper_parallel.core.dtensor.dtensor import DTensor, GradPassThrough, _from_local, _to_local, as_layout
 from hyper_parallel.core.dtensor.layout import grad_placements
 from hyper_parallel.core.dtensor.ops import get_rule
 from hyper_parallel.core.dtensor.ops.registry import OpCall
@@ -126,6 +126,18 @@ def check_ring_inputs(name, leaves):
     return False
 
 
+def _passthrough(out_placements, input_targets, replicated_out):
+    """A GradPassThrough for an op with one tensor output, over the mesh dims where the output and
+    every input are replicated (the local backward is then the same linear map on every rank, so a
+    Partial(sum) output gradient gives Partial(sum) input gradients); None if there are none. With
+    several outputs, one gradient might be partial and another not, so nothing passes through."""
+    if len(out_placements) != 1:
+        return None
+    dims = [m for m, replicated in enumerate(replicated_out)
+            if replicated and all(t[m].is_replicate() for t in input_targets)]
+    return GradPassThrough(dims) if dims else None
+
+
 def dispatch_function(name, func, args, kwargs):
     rule = get_rule(name)
     if rule is None:
@@ -147,15 +159,17 @@ def dispatch_function(name, func, args, kwargs):
     out_placements = strategy.outputs if isinstance(strategy.outputs, list) else \
         [strategy.outputs] * len(out_shapes)
     replicated_out = [all(p[m].is_replicate() for p in out_placements) for m in range(mesh.ndim)]
+    targets = [(strategy.inputs[call.index(leaf)] or leaf._spec.placements) if isinstance(leaf, DTensor)
+               else None for leaf in leaves]
+    passthrough = _passthrough(out_placements, [t for t in targets if t is not None], replicated_out)
 
     locals_ = []
-    for leaf in leaves:
+    for leaf, target in zip(leaves, targets):
         if isinstance(leaf, DTensor):
-            target = strategy.inputs[call.index(leaf)] or leaf._spec.placements
             ensure_leaf_grad_layout(leaf)
             moved = leaf.redistribute(placements=target)
             grad_spec = moved._spec.with_placements(input_grad_placements(target, replicated_out))
-            leaf = _to_local(moved, grad_spec)
+            leaf = _to_local(moved, grad_spec, passthrough)
         locals_.append(leaf)
     local_args, local_kwargs = tree_unflatten(locals_, structure)
     if strategy.local is not None:
@@ -167,7 +181,7 @@ def dispatch_function(name, func, args, kwargs):
     wrapped, k = [], 0
     for out in out_leaves:
         if _platform.is_tensor(out):
-            out = _from_local(out, DTensorSpec(mesh, tuple(out_placements[k]), out_shapes[k]))
+            out = _from_local(out, DTensorSpec(mesh, tuple(out_placements[k]), out_shapes[k]), passthrough)
             if ring_marked and name in RING_PASS_THROUGH:
                 out._hp_ring = True
             k += 1

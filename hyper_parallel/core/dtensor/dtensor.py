@@ -6,7 +6,7 @@ framework's ordinary autograd (``dispatch.py``); conversions between local and d
 and between layouts are the three differentiable functions below.
 """
 from hyper_parallel.core.dtensor.layout import grad_placements
-from hyper_parallel.core.dtensor.placement_types import Replicate, Shard, normalize_placements
+from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, Shard, normalize_placements
 from hyper_parallel.core.dtensor.redistribute import redistribute_local
 from hyper_parallel.core.dtensor.spec import DTensorSpec
 from hyper_parallel.platform import get_platform
@@ -97,23 +97,54 @@ class DTensor(_platform.DTensorBase):
 
 
 # ---------------------------------------------------------------------- differentiable conversions
-def _from_local_forward(ctx, local, spec):
+class GradPassThrough:
+    """Shared by the autograd nodes of one op call (its inputs' to_local, its single output's
+    from_local). ``dims``: the mesh dims on which every input and the output are replicated, so the
+    op's local backward is the same linear map on every rank. A Partial(sum) output gradient on such
+    a dim then passes through the op as Partial(sum) (``partial``, set by the output's backward,
+    read by the inputs'), instead of being all-reduced at every op boundary: e.g. dK of all-gather
+    KV attention stays partial through the user's transposes until the one reduce-scatter."""
+    __slots__ = ("dims", "partial")
+
+    def __init__(self, dims):
+        self.dims = frozenset(dims)
+        self.partial = frozenset()
+
+
+_PARTIAL_SUM = Partial("sum")
+
+
+def _from_local_forward(ctx, local, spec, passthrough=None):
     ctx.spec = spec
+    ctx.passthrough = passthrough
     return DTensor._make(local.view_as(local), spec)
 
 
 def _from_local_backward(ctx, grad):
-    grad = as_layout(grad, ctx.spec.with_placements(grad_placements(ctx.spec.placements)))
-    return grad._local_tensor.contiguous(), None
+    target = grad_placements(ctx.spec.placements)
+    passthrough = ctx.passthrough
+    if passthrough is not None:
+        keep = frozenset(m for m in passthrough.dims if isinstance(grad, DTensor)
+                         and grad._spec.placements[m] == _PARTIAL_SUM)
+        passthrough.partial = keep
+        target = tuple(_PARTIAL_SUM if m in keep else p for m, p in enumerate(target))
+    grad = as_layout(grad, ctx.spec.with_placements(target))
+    return grad._local_tensor.contiguous(), None, None
 
 
-def _to_local_forward(ctx, dtensor, grad_spec):
+def _to_local_forward(ctx, dtensor, grad_spec, passthrough=None):
     ctx.grad_spec = grad_spec
+    ctx.passthrough = passthrough
     return dtensor._local_tensor.view_as(dtensor._local_tensor)
 
 
 def _to_local_backward(ctx, grad):
-    return DTensor._make(grad.contiguous(), ctx.grad_spec), None
+    spec = ctx.grad_spec
+    if ctx.passthrough is not None and ctx.passthrough.partial:
+        keep = ctx.passthrough.partial
+        spec = spec.with_placements(tuple(_PARTIAL_SUM if m in keep else p
+                                          for m, p in enumerate(spec.placements)))
+    return DTensor._make(grad.contiguous(), spec), None, None
 
 
 def _redistribute_forward(ctx, dtensor, placements):
@@ -133,15 +164,15 @@ _redistribute_fn = _platform.make_autograd_function("Redistribute", _redistribut
                                                     _redistribute_backward)
 
 
-def _from_local(local, spec):
+def _from_local(local, spec, passthrough=None):
     if _platform.is_grad_enabled() and local.requires_grad:
-        return _from_local_fn(local, spec)
+        return _from_local_fn(local, spec, passthrough)
     return DTensor._make(local, spec)
 
 
-def _to_local(dtensor, grad_spec):
+def _to_local(dtensor, grad_spec, passthrough=None):
     if _platform.is_grad_enabled() and dtensor.requires_grad:
-        return _to_local_fn(dtensor, grad_spec)
+        return _to_local_fn(dtensor, grad_spec, passthrough)
     return dtensor._local_tensor
 
 

@@ -5,8 +5,8 @@ The planner works on *shard orders* (per tensor dim, the mesh dims splitting it,
 0. Local slices that are possible right away come first, then the all-reduces of Partial mesh
    dims that stay unsharded, so later collectives move less.
 1. Shards that must go are taken off innermost first. A mesh dim that moves from Shard(d) to
-   Shard(e) is one all-to-all when it can become the innermost split of e; otherwise it is
-   all-gathered.
+   Shard(e) is one all-to-all when it can become the innermost split of e; otherwise target shards
+   that are ready are added first (as in 2), and only then is it all-gathered.
 2. Missing shards are added outermost first: Replicate -> Shard is a local slice, Partial -> Shard
    one reduce-scatter (slices before reduce-scatters).
 3. What is left: Replicate -> Partial local.
@@ -121,6 +121,13 @@ def _plan(mesh_shape, coordinate, shape, src, dst):
                 moved = True
                 break
         if not moved:
+            # Before gathering, add any target shard that is ready (a slice, or a reduce-scatter of
+            # a Partial dim): it never grows the tensor, and it may let the shard move by all-to-all
+            # ((P, S(h)) -> (S(s), S(s)): reduce-scatter, then all-to-all; not all-gather first).
+            count = len(steps)
+            add_shards(local_only=False)
+            if len(steps) > count:
+                continue
             d, m = removable[-1]
             steps.append(Step("all_gather", m, d, sizes=parent_sizes(d, m)))
             orders[d].pop()

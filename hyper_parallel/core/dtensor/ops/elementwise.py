@@ -64,20 +64,26 @@ def elementwise_strategy(op_name, specs, operands, out_shape, mesh_ndim, force_o
     """
     numel = [_numel(s.shape) for s in specs]
     anchor_order = sorted(range(len(specs)), key=lambda i: -numel[i])
-    out = []
+    out, source = [], []
     for m in range(mesh_ndim):
         if force_out is not None:
             out.append(force_out[m])
+            source.append(None)
             continue
-        choice = None
+        choice, chosen = None, None
         for i in anchor_order:
             cand = to_output(specs[i].placements[m], specs[i].shape, out_shape)
-            if cand.is_shard() and not any(o.is_shard(cand.dim) for o in out):
-                choice = cand
+            # Two mesh dims may split one tensor dim (nested Shards, a StridedShard beside the
+            # Shard it interleaves with) only when both splits come from the same input, so that
+            # the output keeps that input's coherent layout of the dim.
+            if cand.is_shard() and not any(o.is_shard(cand.dim) and source[j] != i
+                                           for j, o in enumerate(out)):
+                choice, chosen = cand, i
                 break
         if choice is None:
             choice = _linear_partial(op_name, operands, m) or Replicate()
         out.append(choice)
+        source.append(chosen)
     inputs = []
     for s in specs:
         placements = []
