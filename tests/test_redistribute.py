@@ -230,7 +230,8 @@ def _verify(mesh_shape, cases, per_rank):
     assert not failures, f"{len(failures)} of {len(cases)} cases failed:\n" + "\n".join(failures[:10])
 
 
-@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2), (2, 2, 2)], ids=["1d4", "2d2x2", "3d2x2x2"])
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (8,), (2, 2), (2, 2, 2)],
+                         ids=["1d2", "1d4", "1d8", "2d2x2", "3d2x2x2"])
 def test_redistribute_every_pair(mesh_shape):
     import math
     cases = _cases(mesh_shape, seed=sum(mesh_shape) * 1000 + len(mesh_shape))
@@ -302,7 +303,7 @@ def _grad_cases(rank, world_size, mesh_shape, cases):
     return len(cases)
 
 
-@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["1d4", "2d2x2"])
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (8,), (2, 2)], ids=["1d2", "1d4", "1d8", "2d2x2"])
 def test_redistribute_gradients(mesh_shape):
     import math
     rng = random.Random(99 + len(mesh_shape))
