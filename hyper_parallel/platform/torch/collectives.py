@@ -73,20 +73,27 @@ class Collectives:
             return result.movedim(0, dim).contiguous()
         return self._finish(async_op, [work] if async_op else [], finish)
 
+    def _blocks(self, tensor, dim, n, group, op):
+        """``tensor`` split along ``dim`` into n equal blocks stacked on a leading dim, in the
+        order torch numbers the group's ranks; and that order's permutation (or None)."""
+        size = tensor.shape[dim]
+        if size % n:
+            raise ValueError(f"{op}: dim {dim} has size {size}, not divisible by the group size {n}; "
+                             f"pad it or use an uneven redistribution")
+        if n == 1:
+            return None, None
+        blocks = tensor.unflatten(dim, (n, size // n)).movedim(dim, 0).contiguous()
+        perm = self._order(group)
+        return (blocks if perm is None else blocks[perm[1]]), perm
+
     # --------------------------------------------------------------------------- all-to-all
     def all_to_all_single(self, tensor, group, split_dim=0, concat_dim=0, async_op=False):
         n = dist.get_world_size(group)
         split_dim, concat_dim = split_dim % tensor.dim(), concat_dim % tensor.dim()  # negative dims
-        size = tensor.shape[split_dim]
-        if size % n:
-            raise ValueError(f"all_to_all_single: dim {split_dim} has size {size}, not divisible by "
-                             f"the group size {n}; pad it or use an uneven redistribution")
         if n == 1:
+            self._blocks(tensor, split_dim, n, group, "all_to_all_single")  # same checks
             return self._trivial(tensor.clone(memory_format=torch.contiguous_format), async_op)
-        blocks = tensor.unflatten(split_dim, (n, size // n)).movedim(split_dim, 0).contiguous()
-        perm = self._order(group)
-        if perm is not None:
-            blocks = blocks[perm[1]]
+        blocks, perm = self._blocks(tensor, split_dim, n, group, "all_to_all_single")
         out = torch.empty_like(blocks)
         self._record("all_to_all", _nbytes(blocks) * (n - 1) // n, group)
         work = dist.all_to_all_single(out, blocks, group=group, async_op=async_op)
@@ -128,16 +135,10 @@ class Collectives:
         check_reduce_op(op)
         n = dist.get_world_size(group)
         dim = dim % tensor.dim()  # unflatten + movedim below need a non-negative dim
-        size = tensor.shape[dim]
-        if size % n:
-            raise ValueError(f"reduce_scatter: dim {dim} has size {size}, not divisible by the group "
-                             f"size {n}; pad it or use an uneven redistribution")
         if n == 1:
+            self._blocks(tensor, dim, n, group, "reduce_scatter")  # same checks
             return self._trivial(tensor.clone(memory_format=torch.contiguous_format), async_op)
-        blocks = tensor.unflatten(dim, (n, size // n)).movedim(dim, 0).contiguous()
-        perm = self._order(group)
-        if perm is not None:
-            blocks = blocks[perm[1]]
+        blocks, perm = self._blocks(tensor, dim, n, group, "reduce_scatter")
         self._record("reduce_scatter", _nbytes(blocks) * (n - 1) // n, group)
         if self._backend_is(group, "gloo"):
             # gloo's reduce-scatter is weak (op and dtype gaps): one all-to-all moves exactly the
