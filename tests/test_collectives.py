@@ -240,7 +240,6 @@ def _grad_check(what, ranks, i, in_shape, dist_fn, sim_fn, *, transposed_input=F
     and the input gradient with a local simulation of every rank: ``sim_fn(inputs) -> outputs``
     and the gradient of the SUM of all ranks' losses (or, with ``shared_loss``, of the one loss
     every rank holds a replica of: the same weight everywhere, counted once)."""
-    import torch
     n = len(ranks)
     xs = [_inp(f"{what}/x", r, in_shape) for r in ranks]
     if ties:  # equal values across ranks in one slice (max/min must split the gradient)

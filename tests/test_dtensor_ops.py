@@ -104,8 +104,8 @@ def _matmul_checks(c):
 
 def _view_checks(c):
     import torch
-    from hyper_parallel import Partial, Replicate, Shard
-    S, R, P = Shard, Replicate(), Partial()
+    from hyper_parallel import Partial, Shard
+    S, P = Shard, Partial()
     x = c.randn("view", 8, 3, 4)
     c.check("view S0 (8,12)", lambda t: t.view(8, 12), D(x, S(0)), out=(S(0),))
     c.check("reshape S0 -> (24,4)", lambda t: t.reshape(24, 4), D(x, S(0)), out=(S(0),))

@@ -399,7 +399,7 @@ def _comm_case(rank, world):
     from hyper_parallel.core.comm_mode import CommDebugMode
 
     mesh = _cp_mesh(world)
-    S, H, Hkv, L = 4 * world, 4, 2, 4
+    S, H, Hkv = 4 * world, 4, 2
     P = world
     ring_fwd = (P - 1) / P * 2 * B * S * Hkv * D * 4         # SPEC §8, fp32
     # zigzag: q, k, v halves out, output half back

@@ -33,8 +33,8 @@ def distribute_tensor(tensor, device_mesh, placements=None, *, src_data_rank=0):
     """
     placements = placements or [Replicate()] * device_mesh.ndim
     placements = normalize_placements(placements, tensor.ndim, device_mesh.ndim)
-    requires_grad = tensor.requires_grad
-    data = tensor.detach()
+    requires_grad = getattr(tensor, "requires_grad", False)  # MindSpore tensors have no flag
+    data = tensor.detach() if hasattr(tensor, "detach") else tensor  # MindSpore: no detach()
     if src_data_rank is not None:
         data = _broadcast_from(data, device_mesh, src_data_rank)
     full = DTensorSpec(device_mesh, (Replicate(),) * device_mesh.ndim, tuple(tensor.shape))

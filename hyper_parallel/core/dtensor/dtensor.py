@@ -6,7 +6,7 @@ framework's ordinary autograd (``dispatch.py``); conversions between local and d
 and between layouts are the three differentiable functions below.
 """
 from hyper_parallel.core.dtensor.layout import grad_placements
-from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, Shard, normalize_placements
+from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, normalize_placements
 from hyper_parallel.core.dtensor.redistribute import redistribute_local
 from hyper_parallel.core.dtensor.spec import DTensorSpec
 from hyper_parallel.platform import get_platform
@@ -165,7 +165,7 @@ _redistribute_fn = _platform.make_autograd_function("Redistribute", _redistribut
 
 
 def _from_local(local, spec, passthrough=None):
-    if _platform.is_grad_enabled() and local.requires_grad:
+    if _platform.is_grad_enabled() and getattr(local, "requires_grad", True):  # MindSpore tensors have no flag
         return _from_local_fn(local, spec, passthrough)
     return DTensor._make(local, spec)
 
@@ -216,4 +216,4 @@ def _check_local_shapes(local_tensor, spec):
                          f"rank for uneven shards")
 
 
-__all__ = ["DTensor", "Shard", "Replicate", "as_layout"]
+__all__ = ["DTensor", "as_layout"]

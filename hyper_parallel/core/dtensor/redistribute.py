@@ -164,11 +164,17 @@ def _pad_to(tensor, dim, size):
     return get_platform().cat([tensor, filler], dim)
 
 
+def _narrow(tensor, dim, start, length):
+    """``tensor.narrow(dim, start, length)`` by basic slicing, which (unlike MindSpore's narrow)
+    also takes the empty piece at the end of a dim (start == size, length 0)."""
+    return tensor[(slice(None),) * dim + (slice(start, start + length),)]
+
+
 def _trim_blocks(tensor, dim, block, sizes):
     """Keep the first sizes[i] entries of each length-``block`` block along ``dim``."""
     if all(s == block for s in sizes):
         return tensor
-    pieces = [tensor.narrow(dim, i * block, s) for i, s in enumerate(sizes)]
+    pieces = [_narrow(tensor, dim, i * block, s) for i, s in enumerate(sizes)]
     return get_platform().cat(pieces, dim)
 
 
@@ -180,7 +186,7 @@ def _split_chunks_padded(tensor, dim, parts):
         return tensor, block
     pieces, start = [], 0
     for s in sizes:
-        pieces.append(_pad_to(tensor.narrow(dim, start, s), dim, block))
+        pieces.append(_pad_to(_narrow(tensor, dim, start, s), dim, block))
         start += s
     return get_platform().cat(pieces, dim), block
 
@@ -200,16 +206,16 @@ def _run_step(step, local, mesh):
         padded = _pad_to(padded, step.dim, block)
         out = platform.all_to_all_single(padded, group, split_dim=step.new_dim, concat_dim=step.dim)
         out = _trim_blocks(out, step.dim, block, step.sizes)
-        return out.narrow(step.new_dim, 0, step.new_sizes[me])
+        return _narrow(out, step.new_dim, 0, step.new_sizes[me])
     if step.kind == "reduce_scatter":
         padded, block = _split_chunks_padded(local, step.dim, n)
         out = platform.reduce_scatter(padded, group, step.dim, step.op)
-        return out.narrow(step.dim, 0, step.sizes[me])
+        return _narrow(out, step.dim, 0, step.sizes[me])
     if step.kind == "all_reduce":
         return platform.all_reduce(local, group, step.op)
     if step.kind == "local_chunk":
         start, length = step.sizes
-        return local.narrow(step.dim, start, length).contiguous()
+        return _narrow(local, step.dim, start, length).contiguous()
     if step.kind == "to_partial":
         if step.op == "sum" and me != 0:
             return local.new_zeros(local.shape) if hasattr(local, "new_zeros") else local * 0

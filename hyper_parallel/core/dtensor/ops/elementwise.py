@@ -7,7 +7,7 @@ replicated values); otherwise they are reduced — into the output's shard when 
 is one reduce-scatter.
 """
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
-from hyper_parallel.core.dtensor.placement_types import Partial, Replicate
+from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.platform import get_platform
 
 ADDITIVE = {"add", "__add__", "__radd__", "sub", "__sub__", "__rsub__", "subtract"}
@@ -120,4 +120,4 @@ def elementwise_rule(call):
     return OpStrategy(inputs=inputs, outputs=out)
 
 
-__all__ = ["elementwise_strategy", "to_input", "to_output", "Partial"]
+__all__ = ["elementwise_strategy", "to_input", "to_output"]

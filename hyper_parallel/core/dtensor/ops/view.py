@@ -9,7 +9,6 @@ import math
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Replicate, StridedShard
 from hyper_parallel.core.dtensor.layout import local_box
-from hyper_parallel.core.dtensor.spec import DTensorSpec
 
 
 def reshape_groups(in_shape, out_shape):
@@ -158,4 +157,4 @@ def identity_rule(call):
     return OpStrategy(inputs=[src.placements] + others[1:], outputs=src.placements)
 
 
-__all__ = ["reshape_groups", "reshape_placements", "DTensorSpec"]
+__all__ = ["reshape_groups", "reshape_placements"]
