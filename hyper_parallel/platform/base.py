@@ -155,6 +155,16 @@ class Platform:
     def is_embedding(self, module):
         raise NotImplementedError
 
+    @staticmethod
+    def named_children(module):
+        """(name, child module) pairs (torch's spelling; MindSpore's Cell differs)."""
+        return module.named_children()
+
+    @staticmethod
+    def named_modules(module):
+        """(dotted name, module) pairs, the module itself first as ""."""
+        return module.named_modules()
+
     # ---------------------------------------------------------------- device, dtype, memory
     @property
     def device_type(self):

@@ -57,7 +57,7 @@ def distribute_module(module, device_mesh, partition_fn=None, input_fn=None, out
     as forward hooks."""
     platform = get_platform()
     partition_fn = partition_fn or _replicate_params
-    for name, submodule in module.named_modules():
+    for name, submodule in platform.named_modules(module):
         partition_fn(name, submodule, device_mesh)
     if input_fn is not None:
         platform.register_forward_pre_hook(module, lambda mod, inputs: input_fn(mod, inputs, device_mesh))

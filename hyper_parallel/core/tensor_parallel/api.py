@@ -4,6 +4,7 @@ import warnings
 
 from hyper_parallel.core.dtensor.device_mesh import current_mesh
 from hyper_parallel.core.tensor_parallel.style import ParallelStyle, check_tp_mesh
+from hyper_parallel.platform import get_platform
 
 __all__ = ["parallelize_module"]
 
@@ -47,7 +48,7 @@ def parallelize_module(module, device_mesh=None, parallelize_plan=None, *, src_d
                              f"{type(style).__name__}")
         matched = _apply_pattern(module, pattern.split("."), style, device_mesh, src_data_rank)
         if not matched:
-            children = [name for name, _ in module.named_children()]
+            children = [name for name, _ in get_platform().named_children(module)]
             warnings.warn(f"parallelize_module: plan entry {pattern!r} matched no submodule of "
                           f"{type(module).__name__} (children: {children}); it was ignored", stacklevel=2)
     return module
@@ -57,7 +58,7 @@ def _apply_pattern(module, atoms, style, mesh, src_data_rank):
     """Apply ``style`` to every submodule whose path matches ``atoms``; return how many."""
     head, rest = atoms[0], atoms[1:]
     count = 0
-    for name, child in module.named_children():
+    for name, child in get_platform().named_children(module):
         if not fnmatch.fnmatchcase(name, head):
             continue
         if rest:

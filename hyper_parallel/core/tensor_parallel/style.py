@@ -122,13 +122,14 @@ def _distribute_param(module, name, mesh, placement, src_data_rank):
             return  # already in this layout (the style was applied twice)
         raise ValueError(f"parameter {name!r} of {type(module).__name__} is already a DTensor "
                          f"({param.placements} on {param.device_mesh}); a module can be parallelized once")
-    dt = distribute_tensor(param.detach(), mesh, [placement], src_data_rank=src_data_rank)
+    dt = distribute_tensor(param.detach() if hasattr(param, "detach") else param,  # MindSpore: no detach()
+                           mesh, [placement], src_data_rank=src_data_rank)
     platform.set_parameter(module, name, dt.requires_grad_(param.requires_grad))
 
 
 def _replicate_all_params(module, mesh, src_data_rank):
     platform = get_platform()
-    for _, sub in module.named_modules():
+    for _, sub in platform.named_modules(module):
         for name, _ in list(platform.named_parameters(sub)):
             _distribute_param(sub, name, mesh, Replicate(), src_data_rank)
 

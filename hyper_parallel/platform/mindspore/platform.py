@@ -1,16 +1,31 @@
-"""MindSpore platform (skeleton: process groups and real collectives; DTensor parity is issue 8).
+"""MindSpore platform (PyNative mode): CPU (``mccl``), Ascend (``hccl``), GPU (``nccl``).
 
-On CPU MindSpore provides AllReduce, AllGather, Broadcast and Barrier only; the other
-collectives are emulated from those and the capability table says so.
+Process groups and raw collectives are in ``collectives.py`` (on CPU the missing ones are emulated
+with all-gather / all-reduce; ``capabilities()`` lists which), autograd-aware collectives and
+``make_autograd_function`` in ``autograd.py`` (MindSpore's custom-backward ``Function``), the
+DTensor base class (a ``Tensor`` subclass whose ``__fallback__`` hands every MindSpore op on a
+DTensor to core's sharding rules) in ``dtensor_base.py``, the op-name table in ``op_names.py``,
+shape inference for that table in ``meta.py`` and the attention kernels in ``attention.py``.
 """
+import contextlib
+import os
+import resource
+
+import numpy as np
+
 import mindspore as ms
 from mindspore import mint, ops
-from mindspore.communication import create_group, get_group_size, get_rank, init
+from mindspore.common.api import _no_grad, _pynative_executor
+from mindspore.communication import GlobalComm, get_rank, init
 
-from hyper_parallel.platform.base import CompletedHandle, Platform
+from hyper_parallel.platform.base import Platform
+from hyper_parallel.platform.mindspore import attention as attention_kernels
+from hyper_parallel.platform.mindspore import autograd as ag
+from hyper_parallel.platform.mindspore import meta
+from hyper_parallel.platform.mindspore.collectives import Collectives, MsGroup
+from hyper_parallel.platform.mindspore.dtensor_base import MindSporeDTensorBase
 
-_OPS = {"sum": ops.ReduceOp.SUM, "max": ops.ReduceOp.MAX, "min": ops.ReduceOp.MIN}
-_WORLD = "hccl_world_group"
+_LAUNCHER_ENV = ("MS_ROLE", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT")
 
 
 class MindSporePlatform(Platform):
@@ -18,111 +33,340 @@ class MindSporePlatform(Platform):
     Tensor = ms.Tensor
     Module = ms.nn.Cell
     Parameter = ms.Parameter
+    DTensorBase = MindSporeDTensorBase
 
     def __init__(self):
         super().__init__()
-        self._groups = {}
+        if ms.get_context("mode") != ms.PYNATIVE_MODE:
+            raise RuntimeError("hyper_parallel on MindSpore needs PyNative mode "
+                               "(ms.set_context(mode=ms.PYNATIVE_MODE)); graph mode is not supported")
+        self._comm = Collectives(self)
         self._initialized = False
 
+    # ---------------------------------------------------------------- device
     @property
     def device_type(self):
-        return ms.get_context("device_target").lower()
+        return str(ms.get_context("device_target")).lower()
 
     @property
     def default_backend(self):
         return {"ascend": "hccl", "gpu": "nccl"}.get(self.device_type, "mccl")
 
-    def capabilities(self):
-        native = self.device_type != "cpu"
-        emulated = "emulated: all_gather + local slicing"
-        return {"backend": self.default_backend, "all_gather": "native", "all_reduce": "native",
-                "broadcast": "native",
-                "all_to_all_single": "native" if native else emulated,
-                "reduce_scatter": "native" if native else "emulated: all_reduce + local slice",
-                "p2p": "native" if native else emulated}
+    def device(self):
+        return ms.get_context("device_target")
 
-    # ---------------------------------------------------------------- groups
-    def init_process_group(self, backend=None, **kwargs):
-        if not self._initialized:
-            init()
+    def set_device(self, local_rank):
+        if self.device_type != "cpu":
+            ms.set_device(ms.get_context("device_target"), int(local_rank))
+
+    def synchronize(self):
+        if self.device_type != "cpu":
+            ms.runtime.synchronize()
+
+    @contextlib.contextmanager
+    def default_device(self):
+        yield self.device()
+
+    def reset_peak_memory(self):
+        if self.device_type != "cpu":
+            ms.runtime.reset_peak_memory_stats()
+
+    def track_peak_memory(self):
+        """``with platform.track_peak_memory() as m: ...`` then ``m.peak_bytes``."""
+        return _PeakMemory(self)
+
+    def peak_memory_bytes(self):
+        """Peak device memory; on CPU the process's peak resident set (not resettable)."""
+        if self.device_type != "cpu":
+            return int(ms.runtime.max_memory_allocated())
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    # ---------------------------------------------------------------- capabilities
+    def capabilities(self):
+        if self._comm.native_all:
+            return {"backend": self.default_backend, "all_gather": "native", "all_reduce": "native",
+                    "broadcast": "native", "all_to_all_single": "native", "reduce_scatter": "native",
+                    "p2p (batch_isend_irecv)": "native (not run in CI)",
+                    "all_to_all (list)": "emulated: size-table all_gather + one padded all_gather",
+                    "all_reduce avg/max/min": "native"}
+        return {
+            "backend": self.default_backend,
+            "all_gather": "native (mint.distributed; bool/bfloat16 cast, 0-dim reshaped)",
+            "all_reduce": "native for sum/avg/max/min on f16/f32/int8/int32/int64; other dtypes "
+                          "emulated: all_gather + local reduction in rank order",
+            "broadcast": "native",
+            "all_to_all_single": "emulated: all_gather of the whole tensor, keep own block "
+                                 "((n-1)*N bytes, n x a native all-to-all)",
+            "all_to_all (list)": "emulated: size-table all_gather + one padded all_gather",
+            "reduce_scatter": "emulated: all_reduce, keep own block (2x a ring reduce-scatter)",
+            "p2p (batch_isend_irecv)": "emulated: size-table all_gather + one padded all_gather "
+                                       "over the group (every group rank must call it)",
+            "all_reduce avg/max/min": "native",
+        }
+
+    # ---------------------------------------------------------------- process groups
+    def init_process_group(self, backend=None, timeout_s=None, **kwargs):
+        if self.is_initialized():
             self._initialized = True
+            return
+        missing = [k for k in _LAUNCHER_ENV if k not in os.environ]
+        if missing and "RANK_TABLE_FILE" not in os.environ:
+            raise RuntimeError(f"cannot initialise MindSpore communication: the launcher variables "
+                               f"{missing} are not set (start with msrun, or set MS_ROLE=MS_WORKER, "
+                               f"MS_WORKER_NUM, MS_NODE_ID, MS_SCHED_HOST, MS_SCHED_PORT and run a "
+                               f"scheduler with MS_ROLE=MS_SCHED)")
+        init(backend) if backend else init()
+        self._initialized = True
 
     def is_initialized(self):
-        return self._initialized
+        return self._initialized or bool(GlobalComm.INITED)
 
     def get_rank(self, group=None):
-        return get_rank() if group is None else self.group_ranks(group).index(get_rank())
+        if group is None:
+            return get_rank() if self.is_initialized() else 0
+        return self._comm.me(self._comm.resolve(group))
 
     def get_world_size(self, group=None):
-        return get_group_size() if group is None else len(self.group_ranks(group))
+        if group is None:
+            return len(self._comm.world().ranks) if self.is_initialized() else 1
+        return len(self._comm.resolve(group))
 
     def new_group(self, ranks):
-        ranks = tuple(int(r) for r in ranks)
-        if ranks not in self._groups:
-            name = _WORLD if ranks == tuple(range(get_group_size())) else \
-                "hp_" + "_".join(map(str, ranks))
-            if name != _WORLD and get_rank() in ranks:
-                create_group(name, list(ranks))
-            self._groups[ranks] = name
-        return self._groups[ranks]
+        return self._comm.new_group(ranks)
 
     def group_ranks(self, group):
-        if group is None or group == _WORLD:
-            return tuple(range(get_group_size()))
-        for ranks, name in self._groups.items():
-            if name == group:
-                return ranks
-        raise KeyError(f"unknown group {group!r}")
+        return self._comm.resolve(group).ranks
 
     def barrier(self, group=None):
-        mint.distributed.barrier(group or _WORLD)
+        group = self._comm.resolve(group)
+        if len(group) > 1:
+            mint.distributed.barrier(group=group.name)
 
     def destroy_process_group(self):
-        self.barrier()
+        if self.is_initialized():
+            self.barrier()
+        self._comm.clear()
 
-    # ---------------------------------------------------------------- collectives
+    # ---------------------------------------------------------------- raw collectives
     def all_gather(self, tensor, group, dim=0, async_op=False):
-        n = len(self.group_ranks(group))
-        self.record_comm("all_gather", (n - 1) * tensor.nbytes, self.group_ranks(group))
-        out = ops.AllGather(group=group or _WORLD)(tensor.swapaxes(0, dim).contiguous())
-        out = out.swapaxes(0, dim)
-        return CompletedHandle(out) if async_op else out
-
-    def all_reduce(self, tensor, group, op="sum", async_op=False):
-        n = len(self.group_ranks(group))
-        self.record_comm("all_reduce", 2 * tensor.nbytes * (n - 1) // n, self.group_ranks(group))
-        out = ops.AllReduce(_OPS["sum" if op == "avg" else op], group=group or _WORLD)(tensor)
-        out = out / n if op == "avg" else out
-        return CompletedHandle(out) if async_op else out
-
-    def broadcast(self, tensor, src, group, async_op=False):
-        out = ops.Broadcast(src, group=group or _WORLD)((tensor,))[0]
-        return CompletedHandle(out) if async_op else out
+        return self._comm.all_gather(tensor, group, dim, async_op)
 
     def all_to_all_single(self, tensor, group, split_dim=0, concat_dim=0, async_op=False):
-        ranks = self.group_ranks(group)
-        me = ranks.index(get_rank())
-        gathered = self.all_gather(tensor.unsqueeze(0), group, 0)
-        pieces = [g.chunk(len(ranks), split_dim)[me] for g in gathered]
-        out = ops.cat(pieces, concat_dim)
-        return CompletedHandle(out) if async_op else out
+        return self._comm.all_to_all_single(tensor, group, split_dim, concat_dim, async_op)
+
+    def all_to_all(self, tensors, group, out_shapes=None, async_op=False):
+        return self._comm.all_to_all(tensors, group, out_shapes, async_op)
 
     def reduce_scatter(self, tensor, group, dim=0, op="sum", async_op=False):
-        ranks = self.group_ranks(group)
-        out = self.all_reduce(tensor, group, op).chunk(len(ranks), dim)[ranks.index(get_rank())]
-        return CompletedHandle(out) if async_op else out
+        return self._comm.reduce_scatter(tensor, group, dim, op, async_op)
 
-    # ---------------------------------------------------------------- modules
+    def all_reduce(self, tensor, group, op="sum", async_op=False, tag=None):
+        return self._comm.all_reduce(tensor, group, op, async_op, tag)
+
+    def broadcast(self, tensor, src, group, async_op=False):
+        return self._comm.broadcast(tensor, src, group, async_op)
+
+    def p2p_exchange(self, sends, recvs, group=None, async_op=False):
+        return self._comm.p2p_exchange(sends, recvs, group, async_op)
+
+    # ---------------------------------------------------------------- autograd-aware collectives
+    def differentiable_all_gather(self, tensor, group, dim=0):
+        return ag.all_gather(self._comm, tensor, group, dim)
+
+    def differentiable_reduce_scatter(self, tensor, group, dim=0):
+        return ag.reduce_scatter(self._comm, tensor, group, dim)
+
+    def differentiable_all_to_all(self, tensor, group, split_dim, concat_dim):
+        return ag.all_to_all(self._comm, tensor, group, split_dim, concat_dim)
+
+    def differentiable_all_reduce(self, tensor, group, op="sum", backward="sum"):
+        return ag.all_reduce(self._comm, tensor, group, op, backward)
+
+    def differentiable_p2p_exchange(self, tensor, send_to, recv_from, group=None):
+        return ag.p2p_exchange(self._comm, tensor, send_to, recv_from, group)
+
+    # ---------------------------------------------------------------- autograd plumbing for core
+    @staticmethod
+    def make_autograd_function(name, forward, backward):
+        """A differentiable callable from ``forward(ctx, *args)`` / ``backward(ctx, *grads)``
+        (MindSpore's custom-backward Function; DTensor arguments and results are supported)."""
+        return ag.make_autograd_function(name, forward, backward)
+
+    @staticmethod
+    def no_grad():
+        return _no_grad()
+
+    @staticmethod
+    def is_grad_enabled():
+        """True while MindSpore records a graph for differentiation (inside ms.grad /
+        value_and_grad, outside no_grad)."""
+        return bool(_pynative_executor.requires_grad())
+
+    @staticmethod
+    def call_plain(func, args, kwargs):
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def aten_kind(func):
+        return None  # MindSpore has no level below autograd that reaches a DTensor
+
+    @staticmethod
+    def foreach_to_single(func):
+        return None
+
+    @staticmethod
+    def op_display_name(func):
+        return getattr(func, "__name__", None) or str(func)
+
+    @staticmethod
+    def meta_tensor(shape, dtype):
+        return meta.MetaTensor(shape, dtype)
+
+    @staticmethod
+    def to_meta(tensor):
+        return meta.MetaTensor(tuple(tensor.shape), tensor.dtype)
+
+    # ---------------------------------------------------------------- tensor helpers for core
+    @staticmethod
+    def is_tensor(obj):
+        return isinstance(obj, (ms.Tensor, meta.MetaTensor))
+
+    @staticmethod
+    def tensor(data, dtype=None, device=None):
+        array = np.asarray(data)
+        if dtype is None and array.dtype == np.float64:
+            array = array.astype(np.float32)
+        return ms.Tensor(array, dtype=dtype)
+
+    @staticmethod
+    def arange(n, device=None):
+        return ops.arange(int(n), dtype=ms.int64)
+
+    @staticmethod
+    def cat(tensors, dim=0):
+        return mint.cat(list(tensors), dim)
+
+    @staticmethod
+    def zeros(shape, dtype=None, device=None):
+        return mint.zeros(tuple(int(s) for s in shape), dtype=dtype or ms.float32)
+
+    @staticmethod
+    def empty(shape, dtype=None, device=None):
+        return mint.zeros(tuple(int(s) for s in shape), dtype=dtype or ms.float32)
+
+    @staticmethod
+    def broadcast_shapes(*shapes):
+        return tuple(np.broadcast_shapes(*[tuple(s) for s in shapes]))
+
+    @staticmethod
+    def bool_dtype():
+        return ms.bool_
+
+    @staticmethod
+    def float32():
+        return ms.float32
+
+    @staticmethod
+    def is_floating_point(tensor):
+        return ms.dtype.is_floating_point(tensor.dtype) if hasattr(ms.dtype, "is_floating_point") \
+            else tensor.dtype in (ms.float16, ms.float32, ms.float64, ms.bfloat16)
+
+    @staticmethod
+    def manual_seed(seed):
+        ms.set_seed(int(seed))
+
+    # ---------------------------------------------------------------- modules and hooks
     def register_forward_pre_hook(self, module, hook, with_kwargs=False):
-        return module.register_forward_pre_hook(hook)
+        return module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
 
     def register_forward_hook(self, module, hook, with_kwargs=False):
-        return module.register_forward_hook(hook)
+        return module.register_forward_hook(hook, with_kwargs=with_kwargs)
+
+    @staticmethod
+    def replace_forward(module, make_wrapper):
+        """Route ``module``'s calls through ``make_wrapper(original_construct)``; returns a function
+        that restores the original."""
+        original = module.construct
+        object.__setattr__(module, "construct", make_wrapper(original))
+
+        def restore():
+            object.__delattr__(module, "construct")
+        return restore
 
     @staticmethod
     def is_linear(module):
-        return isinstance(module, (ms.nn.Dense, getattr(mint.nn, "Linear", ms.nn.Dense)))
+        classes = (ms.nn.Dense,) + ((mint.nn.Linear,) if hasattr(mint.nn, "Linear") else ())
+        return isinstance(module, classes)
 
     @staticmethod
     def is_embedding(module):
-        return isinstance(module, ms.nn.Embedding)
+        classes = (ms.nn.Embedding,) + ((mint.nn.Embedding,) if hasattr(mint.nn, "Embedding") else ())
+        return isinstance(module, classes)
+
+    @staticmethod
+    def named_children(module):
+        return list(module.name_cells().items())
+
+    @staticmethod
+    def named_modules(module):
+        return list(module.cells_and_names())
+
+    @staticmethod
+    def named_parameters(module, recurse=False):
+        """The Cell's own parameters; a parallelized one as its DTensor view (set_parameter)."""
+        if recurse:
+            return list(module.parameters_and_names())
+        from hyper_parallel.platform.mindspore.dtensor_base import MindSporeDTensorBase
+        out = []
+        for name, param in module._params.items():
+            view = module.__dict__.get(name)
+            out.append((name, view if isinstance(view, MindSporeDTensorBase) else param))
+        return out
+
+    @staticmethod
+    def set_parameter(module, name, value):
+        from hyper_parallel.platform.mindspore.dtensor_base import set_dtensor_parameter
+        set_dtensor_parameter(module, name, value)
+
+    # ---------------------------------------------------------------- attention kernels
+    @staticmethod
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        """Scaled dot-product attention on (..., heads, seq, dim) tensors."""
+        return attention_kernels.sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+    @staticmethod
+    def attention_block_forward(q, k, v, causal=False, scale=None):
+        return attention_kernels.block_forward(q, k, v, causal, scale)
+
+    @staticmethod
+    def attention_block_backward(grad_out, q, k, v, out, lse, causal=False, scale=None):
+        return attention_kernels.block_backward(grad_out, q, k, v, out, lse, causal, scale)
+
+
+class _PeakMemory:
+    """On devices, the allocator's peak; on CPU the growth of the process's peak RSS (a lower
+    bound: CPU memory is not tracked per tensor)."""
+
+    def __init__(self, platform):
+        self._platform = platform
+        self.peak_bytes = 0
+
+    def __enter__(self):
+        if self._platform.device_type != "cpu":
+            ms.runtime.synchronize()
+            self._base = ms.runtime.memory_allocated()
+            ms.runtime.reset_peak_memory_stats()
+        else:
+            self._base = self._platform.peak_memory_bytes()
+        return self
+
+    def __exit__(self, *exc):
+        if self._platform.device_type != "cpu":
+            ms.runtime.synchronize()
+            self.peak_bytes = int(ms.runtime.max_memory_allocated() - self._base)
+        else:
+            self.peak_bytes = max(0, self._platform.peak_memory_bytes() - self._base)
+        return False
+
+
+__all__ = ["MindSporePlatform", "MsGroup"]

@@ -1,0 +1,285 @@
+"""The MindSpore side of DTensor: a ``mindspore.Tensor`` subclass whose operators go to core.
+
+MindSpore has no ``__torch_function__``; it has ``__fallback__``: when an operator (``ops.*``,
+``mint.*``, a Tensor method or a Python operator) receives an instance of a Tensor subclass that
+defines it, MindSpore calls ``cls.__fallback__(op, args, kwargs)`` instead of running the kernel.
+The DTensor's class uses it to hand every operator on DTensors to core's dispatcher
+(``DTensor._hp_function``) under the framework-neutral op name from ``op_names.py``; core then
+plans the layouts with the op's sharding rule, redistributes, and runs the MindSpore operator on
+the local shards under MindSpore's own autograd. Operators without a rule run replicated (the
+inputs are all-gathered; a warning names the operator; ``HP_STRICT_DISPATCH=1`` raises).
+
+The object itself is a Tensor whose own data is an empty placeholder (the shard is
+``_local_tensor``), so it can be passed anywhere MindSpore expects a Tensor, and a code path that
+reads a DTensor's data without asking ``__fallback__`` fails loudly instead of computing on one
+rank's shard; the Python-level reads are overridden here: ``shape``/``ndim``/``size``/``numel``/
+``len`` give the global
+shape, indexing goes through the sharding rules, and conversions to numbers or arrays
+(``asnumpy``, ``item``, ``tolist``, ``float``...) raise unless the value is a single element
+(use ``full_tensor()`` or ``to_local()``). In-place operators on a DTensor are not supported.
+
+Gradients flow through MindSpore's autograd on the local tensors (``autograd.py`` explains how a
+gradient's placements travel with it). Parameters: :func:`set_dtensor_parameter` keeps the local
+shard as the Cell's ``mindspore.Parameter`` (what optimizers and ``value_and_grad`` see) and gives
+the Cell's code a DTensor view of it.
+"""
+import math
+
+import numpy as np
+
+import mindspore as ms
+from mindspore.ops.primitive import Primitive
+
+from hyper_parallel.platform.mindspore import meta
+from hyper_parallel.platform.mindspore.op_names import MsOp, lookup
+
+_LIKE = {"ZerosLike", "OnesLike", "ZerosLikeExt", "OnesLikeExt", "EmptyLike", "FullLike", "RandLikeExt",
+         "RandnLikeExt"}
+_OPS = {}
+
+
+def _is_inplace(name):
+    return name.startswith("Inplace") or name in ("Assign", "AssignAdd", "AssignSub")
+
+
+class MindSporeDTensorBase(ms.Tensor):
+    """Subclassed by ``hyper_parallel.core.dtensor.DTensor`` (which provides ``_hp_function``)."""
+
+    # core's ensure_leaf_grad_layout registers a gradient hook on leaf DTensors; on MindSpore the
+    # leaf's consumers bring its gradient to its layout instead (autograd.py)
+    _hp_hooked = True
+
+    def __new__(cls, local_tensor, global_shape, requires_grad=False):
+        placeholder = _placeholder(local_tensor.dtype)
+        obj = ms.Tensor.__new__(cls, placeholder)
+        ms.Tensor.__init__(obj, placeholder)
+        obj._hp_shape = tuple(int(s) for s in global_shape)
+        obj._hp_requires_grad = bool(requires_grad)
+        return obj
+
+    def __init__(self, *args, **kwargs):  # noqa: D401  (initialised in __new__)
+        pass
+
+    # ------------------------------------------------------------------ global metadata
+    @property
+    def shape(self):
+        return self._hp_shape
+
+    @property
+    def ndim(self):
+        return len(self._hp_shape)
+
+    @property
+    def size(self):
+        return math.prod(self._hp_shape)
+
+    def numel(self):
+        return math.prod(self._hp_shape)
+
+    nelement = numel
+
+    def dim(self):
+        return len(self._hp_shape)
+
+    ndimension = dim
+
+    def __len__(self):
+        if not self._hp_shape:
+            raise TypeError("len() of a 0-d DTensor")
+        return self._hp_shape[0]
+
+    @property
+    def nbytes(self):
+        return self.numel() * self.itemsize
+
+    # ------------------------------------------------------------------ autograd metadata (core)
+    @property
+    def requires_grad(self):
+        return True   # MindSpore decides what is differentiated when ms.grad runs
+
+    def requires_grad_(self, requires_grad=True):
+        self._hp_requires_grad = bool(requires_grad)
+        return self
+
+    @property
+    def grad_fn(self):
+        return None
+
+    # ------------------------------------------------------------------ operators
+    @classmethod
+    def __fallback__(cls, func, args, kwargs=None, *rest):
+        name = func.name
+        legacy = None
+        args = tuple(args)
+        if len(args) == 3 and isinstance(args[0], Primitive) and isinstance(args[1], str):
+            legacy, args = args[0], tuple(args[2])   # an old-style Primitive call
+        kwargs = dict(kwargs or {})
+        if _is_inplace(name):
+            raise NotImplementedError(
+                f"in-place MindSpore operator {name} on a DTensor is not supported; use the "
+                f"out-of-place form (parameters of a parallelized Cell are plain Parameters, which "
+                f"optimizers update in place as usual)")
+        if name in _LIKE:
+            return _like(func, legacy, name, args, kwargs)
+        entry = lookup(name)
+        normalized = entry.normalize(args, kwargs) if entry is not None and entry.normalize else \
+            ((args, kwargs, None, None, None) if entry is not None else None)
+        if normalized is None:
+            op = MsOp(func, name.lower(), None, name, legacy)
+            return _replicated(cls, name, op, args, kwargs)
+        args, kwargs, neutral, runner, key, *shape_override = normalized
+        shape_fn = shape_override[0] if shape_override else entry.shape_fn
+        cache_key = (name, type(func).__name__, legacy is not None, key)
+        op = _OPS.get(cache_key)
+        if op is None:
+            op = _OPS[cache_key] = MsOp(func, entry.display, shape_fn, name, legacy, runner, key)
+        elif legacy is not None:
+            op = MsOp(func, entry.display, shape_fn, name, legacy, runner, key)
+        result = cls._hp_function(neutral or entry.neutral, op, args, kwargs)
+        if result is NotImplemented:
+            return _replicated(cls, name, op, args, kwargs)
+        return result
+
+    def __getitem__(self, index):
+        result = type(self)._hp_function("getitem", _GETITEM, (self, index), {})
+        if result is NotImplemented:
+            return _replicated(type(self), "getitem", _GETITEM, (self, index), {})
+        return result
+
+    def __setitem__(self, index, value):
+        raise NotImplementedError("item assignment on a DTensor is not supported on MindSpore; build the "
+                                  "value out of place (e.g. with ops.where / mint.cat)")
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    # ------------------------------------------------------------------ values
+    def _single_value(self, what):
+        if self.numel() != 1:
+            raise TypeError(f"{what} of a DTensor with {self.numel()} elements; use dt.full_tensor() or "
+                            f"dt.to_local() first")
+        return self.full_tensor()
+
+    def item(self):
+        return self._single_value("item()").item()
+
+    def __float__(self):
+        return float(self._single_value("float()").item())
+
+    def __int__(self):
+        return int(self._single_value("int()").item())
+
+    def __bool__(self):
+        return bool(self._single_value("bool()").item())
+
+    def asnumpy(self):
+        raise TypeError("a DTensor has no single array: use dt.full_tensor().asnumpy() (the global "
+                        "value) or dt.to_local().asnumpy() (this rank's shard)")
+
+    def tolist(self):
+        raise TypeError("use dt.full_tensor().tolist() or dt.to_local().tolist()")
+
+    def __array__(self, dtype=None):
+        raise TypeError("use dt.full_tensor().asnumpy() or dt.to_local().asnumpy()")
+
+    def __str__(self):
+        return self.__repr__()
+
+    def __deepcopy__(self, memo):
+        import copy
+        return type(self)._make(copy.deepcopy(self._local_tensor, memo), self._spec,
+                                requires_grad=self._hp_requires_grad)
+
+
+# ============================================================================== helpers
+_PLACEHOLDERS = {}
+
+
+def _placeholder(dtype):
+    """The data of every DTensor object of ``dtype``: an empty tensor. The shard lives in
+    ``_local_tensor``; a MindSpore code path that reads a DTensor's own data without asking
+    ``__fallback__`` (an old-style Primitive taking a tuple of tensors, e.g. ``ops.stack``, or
+    ``ops.addn``) then fails on the shape instead of silently using one rank's shard as the
+    global value."""
+    empty = _PLACEHOLDERS.get(dtype)
+    if empty is None:
+        empty = _PLACEHOLDERS[dtype] = ms.Tensor(np.zeros((0,), ms.dtype_to_nptype(dtype)))
+    return empty
+
+
+class _GetItem:
+    """``x[index]`` as core sees it: plain indexing on the local shard, a numpy view for shapes."""
+
+    __name__ = "getitem"
+
+    def __call__(self, x, index):
+        if isinstance(x, meta.MetaTensor):
+            return meta.getitem(x, index)
+        if 0 in tuple(x.shape) or 0 in meta.getitem(meta.MetaTensor(x.shape, x.dtype), index).shape:
+            # MindSpore's slice backward fails on empty results ("StridedSliceGrad memcpy failed"):
+            # an empty piece has a zero gradient, given explicitly
+            return _zero_grad(lambda: ms.Tensor.__getitem__(x, index), x)
+        return ms.Tensor.__getitem__(x, index)
+
+    run = __call__
+
+
+_GETITEM = _GetItem()
+
+
+def _zero_grad(compute, *tensors):
+    from hyper_parallel.platform.mindspore.op_names import _ZeroGrad
+
+    class _Thunk:
+        @staticmethod
+        def run():
+            return compute()
+    return _ZeroGrad.apply(_Thunk, (), {}, *tensors)
+
+
+def _like(func, legacy, name, args, kwargs):
+    """zeros_like / ones_like...: the same layout (a Partial source gives a replicated result)."""
+    from hyper_parallel.core.dtensor.layout import grad_placements
+    src = args[0]
+    local_args = (src._local_tensor,) + tuple(args[1:])
+    local = func(legacy, name, local_args) if legacy is not None else func(*local_args, **kwargs)
+    spec = src._spec.with_placements(grad_placements(src._spec.placements))
+    return type(src)._make(local, spec)
+
+
+def _replicated(cls, name, op, args, kwargs):
+    """No rule: every DTensor input is gathered (differentiably), the op runs on the full values,
+    and tensor outputs become Replicate DTensors."""
+    from hyper_parallel.core.dtensor.fallback import report_missing_rule
+    from hyper_parallel.core.dtensor.placement_types import Replicate
+    from hyper_parallel.core.dtensor.tree import tree_flatten, tree_unflatten
+    leaves, structure = tree_flatten((args, kwargs))
+    dtensors = [x for x in leaves if isinstance(x, MindSporeDTensorBase)]
+    mesh = dtensors[0].device_mesh
+    for d in dtensors[1:]:
+        if d.device_mesh != mesh:
+            raise ValueError(f"{name}: DTensor inputs live on different meshes ({mesh} and {d.device_mesh})")
+    report_missing_rule(f"{name} (MindSpore)")
+    full = [x.full_tensor() if isinstance(x, MindSporeDTensorBase) else x for x in leaves]
+    full_args, full_kwargs = tree_unflatten(full, structure)
+    result = op(*full_args, **full_kwargs)
+    out_leaves, out_structure = tree_flatten(result)
+    replicate = [Replicate()] * mesh.ndim
+    wrapped = [cls.from_local(o, mesh, replicate) if isinstance(o, ms.Tensor) else o for o in out_leaves]
+    return tree_unflatten(wrapped, out_structure)
+
+
+# ============================================================================== parameters
+def set_dtensor_parameter(module, name, value):
+    """Make ``module.<name>`` the DTensor ``value`` for the Cell's code, while the Cell's parameter
+    of that name (what optimizers, ``trainable_params()`` and ``value_and_grad`` see) becomes the
+    local shard: a ``mindspore.Parameter`` that is the DTensor's local tensor, so gradients reach it
+    and in-place optimizer updates are seen by the next forward."""
+    old = module._params.get(name)
+    param_name = old.name if old is not None else name
+    requires_grad = old.requires_grad if old is not None else True
+    param = ms.Parameter(value._local_tensor, name=param_name, requires_grad=requires_grad)
+    module._params[name] = param
+    view = type(value)._make(param, value._spec, requires_grad=requires_grad)
+    object.__setattr__(module, name, view)   # found before Cell.__getattr__ looks in _params
