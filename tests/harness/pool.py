@@ -31,6 +31,8 @@ import threading
 import time
 import traceback
 
+from tests.harness.registry import PoolRegistry
+
 __all__ = ["run_dist", "DistTestFailure", "pool_pids", "kill_pool", "shutdown_pools"]
 
 SEED = 1234
@@ -356,8 +358,7 @@ class _Pool:
 
 
 # =============================================================================== public API
-_lock = threading.RLock()
-_pools = {}
+_registry = PoolRegistry(lambda world_size: _Pool(world_size))
 
 
 def run_dist(world_size, fn, *args, timeout=120, **kwargs):
@@ -377,56 +378,22 @@ def run_dist(world_size, fn, *args, timeout=120, **kwargs):
                         f"{fn!r}; define it at the top level of the test module")
     payload = pickle.dumps(("run", fn, args, kwargs))  # unpicklable arguments fail here
     label = f"run_dist({world_size}, {_fn_name(fn)})"
-    with _lock:
-        pool = _pools.get(world_size)
-        if pool is not None and not pool.healthy():
-            pool.kill()
-            pool = None
-        if pool is None:
-            pool = _Pool(world_size)
-            _pools[world_size] = pool
-            try:
-                pool.start()
-            except BaseException:
-                pool.kill()
-                _pools.pop(world_size, None)
-                raise
-        try:
-            return pool.run(payload, timeout, label)
-        except BaseException:
-            # DistTestFailure has already killed the pool; an interruption (Ctrl-C,
-            # pytest-timeout) leaves it mid-case, so it cannot be reused either.
-            pool.kill()
-            if _pools.get(world_size) is pool:
-                del _pools[world_size]
-            raise
+    return _registry.run(world_size, payload, timeout, label)
 
 
 def pool_pids(world_size):
     """Process ids of the live pool for ``world_size`` (empty if there is none)."""
-    with _lock:
-        pool = _pools.get(world_size)
-        return pool.pids() if pool is not None and not pool.closed else []
+    return _registry.pids(world_size)
 
 
 def kill_pool(world_size):
     """Kill the pool for ``world_size`` now (the next run_dist spawns a fresh one)."""
-    with _lock:
-        pool = _pools.pop(world_size, None)
-        if pool is not None:
-            pool.kill()
+    _registry.kill(world_size)
 
 
 def shutdown_pools():
     """Stop every pool gracefully (destroy_process_group on each rank), killing leftovers."""
-    with _lock:
-        pools = list(_pools.values())
-        _pools.clear()
-        for pool in pools:
-            try:
-                pool.stop()
-            except BaseException:
-                pool.kill()
+    _registry.shutdown()
 
 
 atexit.register(shutdown_pools)

@@ -36,6 +36,8 @@ import tempfile
 import threading
 import time
 
+from tests.harness.registry import PoolRegistry
+
 __all__ = ["run_ms", "MsDistFailure", "mindspore_python", "mindspore_unavailable_reason",
            "require_mindspore", "ms_pool_pids", "kill_ms_pool", "shutdown_ms_pools"]
 
@@ -385,8 +387,7 @@ def _loads(data, rank):
 
 
 # =============================================================================== public API
-_lock = threading.RLock()
-_pools = {}
+_registry = PoolRegistry(lambda world_size: _Pool(world_size))
 
 
 def run_ms(world_size, fn, *args, timeout=180, **kwargs):
@@ -403,52 +404,20 @@ def run_ms(world_size, fn, *args, timeout=180, **kwargs):
         raise RuntimeError(reason)
     payload = pickle.dumps(("run", module, qualname, args, kwargs), protocol=PROTOCOL)
     label = f"run_ms({world_size}, {module}.{qualname})"
-    with _lock:
-        pool = _pools.get(world_size)
-        if pool is not None and not pool.healthy():
-            pool.kill()
-            pool = None
-        if pool is None:
-            pool = _Pool(world_size)
-            _pools[world_size] = pool
-            try:
-                pool.start()
-            except BaseException:
-                pool.kill()
-                _pools.pop(world_size, None)
-                raise
-        try:
-            return pool.run(payload, timeout, label)
-        except BaseException:
-            pool.kill()
-            if _pools.get(world_size) is pool:
-                del _pools[world_size]
-            raise
+    return _registry.run(world_size, payload, timeout, label)
 
 
 def ms_pool_pids(world_size):
     """Process ids (scheduler and workers) of the live pool for ``world_size``."""
-    with _lock:
-        pool = _pools.get(world_size)
-        return pool.pids() if pool is not None and not pool.closed else []
+    return _registry.pids(world_size)
 
 
 def kill_ms_pool(world_size):
-    with _lock:
-        pool = _pools.pop(world_size, None)
-        if pool is not None:
-            pool.kill()
+    _registry.kill(world_size)
 
 
 def shutdown_ms_pools():
-    with _lock:
-        pools = list(_pools.values())
-        _pools.clear()
-    for pool in pools:
-        try:
-            pool.stop()
-        except BaseException:  # noqa: BLE001
-            pool.kill()
+    _registry.shutdown()
 
 
 atexit.register(shutdown_ms_pools)
