@@ -1,17 +1,19 @@
 """Every raw and every differentiable collective of the platform against a numeric reference.
 
-Each rank builds every rank's input deterministically (``_inp``), so it can compute the expected
-result -- and, for the differentiable collectives, the gradient of the SUM of all ranks' losses --
-locally with plain torch ops and autograd. Checks run on the world group and on sub-groups
-(including odd-sized ones), with odd shapes, non-contiguous (transposed) inputs, non-contiguous
-incoming gradients, every reduce op and the async paths. Many checks share one ``run_dist`` case
-to keep the round trips (and the 2-core CI) cheap.
+``test_raw_collectives`` and ``test_differentiable_collectives`` are platform-neutral
+(tests/cases/collectives.py) and run on torch and on MindSpore. The rest is torch only: the layouts
+of the gradients that reach gloo (transposed inputs, non-contiguous incoming gradients, tied
+max/min winners, a replicated loss) and the bytes the comm observers see. Each rank builds every
+rank's input deterministically, so it computes the expected result -- and the gradient of the SUM
+of all ranks' losses -- locally. Many checks share one case to keep the round trips cheap.
 """
 import zlib
 
 import pytest
 
+from tests.cases import collectives as neutral
 from tests.harness import run_dist
+from tests.harness.frameworks import framework_worlds, run_on
 
 WORLD_SIZES = [2, 4, 8]
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -87,142 +89,23 @@ def _split(t, dim, n, k):
     return t.narrow(dim, k * size, size)
 
 
-# ============================================================================ raw collectives
-def _check_raw(platform, ranks, group, rank):
-    import torch
-    n, i = len(ranks), ranks.index(rank)
-    where = f"group {ranks}, rank {rank}"
-
-    def inputs(tag, shape):
-        return [_inp(tag, r, shape) for r in ranks]
-
-    # ---- all_gather on every dim (and a negative one), sync and async, non-contiguous input
-    for dim in (0, 1, 2, -1):
-        xs = inputs(f"ag{dim}", (3, 5, 7))
-        expected = torch.cat(xs, dim)
-        for async_op in (False, True):
-            out = _call(platform.all_gather, _noncontig(xs[i]), group, dim=dim, async_op=async_op)
-            _close(out, expected, f"all_gather dim={dim} async={async_op} on {where}")
-            assert out.is_contiguous(), f"all_gather dim={dim}: non-contiguous output on {where}"
-
-    # ---- all_to_all_single, split_dim != concat_dim included
-    for split_dim, concat_dim in ((0, 0), (0, 2), (2, 1), (1, 0), (-1, 0), (0, -1), (-2, -3)):
-        shape = [3, 5, 7]
-        shape[split_dim] = 3 * n
-        xs = inputs(f"a2a{split_dim}{concat_dim}", shape)
-        expected = torch.cat([_split(x, split_dim, n, i) for x in xs], concat_dim)
-        for async_op in (False, True):
-            out = _call(platform.all_to_all_single, _noncontig(xs[i]), group, split_dim=split_dim,
-                        concat_dim=concat_dim, async_op=async_op)
-            _close(out, expected, f"all_to_all_single {split_dim}->{concat_dim} async={async_op} "
-                                  f"on {where}")
-            assert out.is_contiguous(), f"all_to_all_single: non-contiguous output on {where}"
-    if n > 1:
-        with pytest.raises(ValueError, match="divisible"):
-            platform.all_to_all_single(torch.ones(3 * n + 1, 2), group, 0, 1)
-
-    # ---- list all_to_all: a different shape for every (source, destination) pair
-    def piece(src, dst):  # what group rank src sends to group rank dst
-        return _inp(f"a2al/{dst}", ranks[src], (src + 1, dst + 2))
-    sends = [_noncontig(piece(i, k)) for k in range(n)]
-    out_shapes = [(j + 1, i + 2) for j in range(n)]
-    for async_op in (False, True):
-        got = _call(platform.all_to_all, sends, group, out_shapes=out_shapes, async_op=async_op)
-        assert len(got) == n
-        for j in range(n):
-            _close(got[j], piece(j, i), f"all_to_all (list) from {ranks[j]} async={async_op} "
-                                        f"on {where}")
-    # default out_shapes: the received shapes mirror the sent ones (symmetric shapes)
-    sym = [_inp(f"a2as/{k}", rank, (i + k + 1, 3)) for k in range(n)]
-    got = platform.all_to_all(sym, group)
-    for j in range(n):
-        _close(got[j], _inp(f"a2as/{i}", ranks[j], (i + j + 1, 3)), f"all_to_all (symmetric) on {where}")
-
-    # ---- reduce_scatter: every op, two dims, sync and async
-    for dim in (0, 1, -1):
-        shape = [5, 7]
-        shape[dim] = 3 * n
-        xs = inputs(f"rs{dim}", shape)
-        stacked = torch.stack(xs)
-        for op in REDUCE_OPS:
-            expected = _split(_reduce(stacked, op), dim, n, i)
-            for async_op in (False, True):
-                out = _call(platform.reduce_scatter, _noncontig(xs[i]), group, dim=dim, op=op,
-                            async_op=async_op)
-                _close(out, expected, f"reduce_scatter dim={dim} op={op} async={async_op} on {where}")
-                assert out.is_contiguous(), f"reduce_scatter: non-contiguous output on {where}"
-    if n > 1:
-        with pytest.raises(ValueError, match="divisible"):
-            platform.reduce_scatter(torch.ones(3 * n + 1), group, 0)
-    with pytest.raises(ValueError, match="prod"):
-        platform.reduce_scatter(torch.ones(3 * n), group, 0, op="prod")
-
-    # ---- all_reduce: every op, sync and async; the input is not modified
-    xs = inputs("ar", (3, 5, 7))
-    stacked = torch.stack(xs)
-    for op in REDUCE_OPS:
-        for async_op in (False, True):
-            mine = _noncontig(xs[i].clone())
-            out = _call(platform.all_reduce, mine, group, op=op, async_op=async_op)
-            _close(out, _reduce(stacked, op), f"all_reduce op={op} async={async_op} on {where}")
-            assert torch.equal(mine, xs[i]), f"all_reduce modified its input on {where}"
-            assert out.is_contiguous(), f"all_reduce: non-contiguous output on {where}"
-    with pytest.raises(ValueError, match="prod"):
-        platform.all_reduce(xs[i], group, op="prod")
-
-    # ---- broadcast from every member (global source rank)
-    xs = inputs("bc", (3, 5))
-    for k, src in enumerate(ranks):
-        out = _call(platform.broadcast, _noncontig(xs[i]), src, group, async_op=k == 0)
-        _close(out, xs[k], f"broadcast from {src} on {where}")
-
-    # ---- several async collectives in flight, waited out of order
-    a, b, c = inputs("ov_a", (4, 3)), inputs("ov_b", (3 * n, 2)), inputs("ov_c", (2, 5))
-    h1 = platform.all_gather(a[i], group, dim=1, async_op=True)
-    h2 = platform.reduce_scatter(b[i], group, dim=0, op="sum", async_op=True)
-    h3 = platform.all_reduce(c[i], group, op="max", async_op=True)
-    _close(h3.wait(), torch.stack(c).amax(0), f"overlapped all_reduce on {where}")
-    _close(h1.wait(), torch.cat(a, 1), f"overlapped all_gather on {where}")
-    _close(h2.wait(), _split(torch.stack(b).sum(0), 0, n, i), f"overlapped reduce_scatter on {where}")
-    _close(h1.wait(), torch.cat(a, 1), f"second wait() on {where}")
-
-    # ---- p2p ring exchange (global peer ranks), one and two directions, sync and async
-    if n > 1:
-        nxt, prv = ranks[(i + 1) % n], ranks[(i - 1) % n]
-        p = [_inp("p2p_a", r, (3, 5)) for r in range(max(ranks) + 1)]
-        q = [_inp("p2p_b", r, (2, 7)) for r in range(max(ranks) + 1)]
-        for async_op in (False, True):
-            (got,) = _call(platform.p2p_exchange, [(_noncontig(p[rank]), nxt)],
-                           [(torch.empty(3, 5), prv)], group, async_op=async_op)
-            _close(got, p[prv], f"p2p ring async={async_op} on {where}")
-        got_a, got_b = platform.p2p_exchange([(p[rank], nxt), (_noncontig(q[rank]), prv)],
-                                             [(torch.empty(3, 5), prv), (torch.empty(2, 7), nxt)],
-                                             group)
-        _close(got_a, p[prv], f"p2p both ways (forward ring) on {where}")
-        _close(got_b, q[nxt], f"p2p both ways (backward ring) on {where}")
-    return True
-
-
-def _raw_case(rank, world_size):
-    from hyper_parallel.platform import get_platform
-    platform = get_platform()
-    checked = []
-    for ranks, group in _my_groups(platform, rank, world_size):
-        _check_raw(platform, ranks, group, rank)
-        checked.append(ranks)
-    # group=None means the world
-    import torch
-    out = platform.all_gather(torch.full((1, 2), float(rank)), None, dim=0)
-    _close(out, torch.arange(world_size, dtype=torch.float32)[:, None].expand(world_size, 2),
-           "all_gather with group=None")
-    return checked
-
-
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_raw_collectives(world_size):
-    checked = run_dist(world_size, _raw_case)
+# ============================================================================ on every framework
+@pytest.mark.parametrize("framework,world_size", framework_worlds(*WORLD_SIZES))
+def test_raw_collectives(framework, world_size):
+    """all_gather, all_reduce, broadcast, all_to_all(_single), reduce_scatter and p2p_exchange on
+    the world, the reversed world and sub-groups, every dtype/dim/op, sync and async, errors
+    (tests/cases/collectives.py)."""
+    checked = run_on(framework, world_size, neutral.raw_collectives, timeout=280)
     for rank, groups in enumerate(checked):
-        assert groups == [g for g in _groups(world_size) if rank in g]
+        assert groups == [list(g) for g in neutral.groups_for(world_size) if rank in g]
+
+
+@pytest.mark.parametrize("framework,world_size", framework_worlds(*WORLD_SIZES))
+def test_differentiable_collectives(framework, world_size):
+    """Forward and gradient of every differentiable collective on every group, from numpy."""
+    checked = run_on(framework, world_size, neutral.differentiable_collectives, timeout=280)
+    for rank, groups in enumerate(checked):
+        assert groups == [list(g) for g in neutral.groups_for(world_size) if rank in g]
 
 
 # ============================================================================ differentiable collectives
@@ -337,7 +220,9 @@ def _differentiable_case(rank, world_size):
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_differentiable_collectives(world_size):
+def test_torch_gradient_layouts(world_size):
+    """torch only: transposed inputs, non-contiguous incoming gradients (gloo mishandles them if
+    they reach it), tied max/min winners, a replicated loss (backward="identity")."""
     checked = run_dist(world_size, _differentiable_case)
     for rank, groups in enumerate(checked):
         assert groups == [g for g in _groups(world_size) if rank in g]

@@ -56,6 +56,8 @@ class Collectives:
 
     # --------------------------------------------------------------------------- all-gather
     def all_gather(self, tensor, group, dim=0, async_op=False):
+        if tensor.dim() == 0:  # a 0-dim tensor gathers into a vector (as on every platform)
+            tensor = tensor.reshape(1)
         n = dist.get_world_size(group)
         if n == 1:
             return self._trivial(tensor.clone(memory_format=torch.contiguous_format), async_op)
@@ -181,14 +183,21 @@ class Collectives:
 
     # --------------------------------------------------------------------------- point-to-point
     def p2p_exchange(self, sends, recvs, group=None, async_op=False):
+        me = dist.get_rank()
+        # a message to oneself (a ring of one rank) is a copy: gloo has no pair to itself
+        to_self = [tensor for tensor, peer in sends if peer == me]
         ops, outputs = [], []
         for tensor, peer in sends:
-            ops.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, group=group))
+            if peer != me:
+                ops.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, group=group))
         for template, peer in recvs:
+            if peer == me:
+                outputs.append(to_self.pop(0).clone(memory_format=torch.contiguous_format))
+                continue
             buf = torch.empty(template.shape, dtype=template.dtype, device=template.device)
             outputs.append(buf)
             ops.append(dist.P2POp(dist.irecv, buf, peer, group=group))
-        sent = sum(_nbytes(t) for t, _ in sends)
+        sent = sum(_nbytes(t) for t, peer in sends if peer != me)
         if sent:
             self._record("send_recv", sent, group)
         works = dist.batch_isend_irecv(ops) if ops else []

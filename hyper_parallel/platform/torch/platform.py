@@ -100,7 +100,10 @@ class TorchPlatform(Platform):
         return dist.is_initialized()
 
     def get_rank(self, group=None):
-        return dist.get_rank(group)
+        if group is None or group is dist.group.WORLD:
+            return dist.get_rank()
+        # the position in the ranks the group was created with (torch numbers them ascending)
+        return self.group_ranks(group).index(dist.get_rank())
 
     def get_world_size(self, group=None):
         return dist.get_world_size(group)
