@@ -6,17 +6,21 @@ contiguous block through the ContextParallel module. Forward outputs and the gra
 (and of Linear projection weights) must match within 1e-5 (fp32). Communication is counted with
 CommDebugMode and compared with SPEC §8's closed forms. Checks are grouped into few ``run_dist``
 calls (each a round trip to the worker pool; 8 ranks on 2 cores are slow).
+
+The mode × layout × kernel grid and the mask / DTensor-I/O / error cases are platform-neutral
+(tests/cases/context_parallel.py) and run on torch and on MindSpore; the rest (GQA, projections,
+recursion, call forms, communication volume, named meshes) is torch only.
 """
 import pytest
 
+from tests.cases import context_parallel as neutral
 from tests.harness import run_dist
+from tests.harness.frameworks import framework_worlds, run_on
 
 B, D, E = 2, 8, 16           # batch, head dim, hidden size of the projection cases
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 LAYOUTS = {"bshd": (1, 2), "bnsd": (2, 1)}   # layout -> (seq_dim, head_dim)
 UL, AG, LB = {"ulysses_degree": None}, {"ulysses_degree": 1}, {"ulysses_degree": 1, "load_balance": True}
-FULL_GRID = [(layout, kind, causal) for layout in LAYOUTS for kind in ("sdpa", "matmul")
-             for causal in (True, False)]
 
 
 # ============================================================================ attention modules
@@ -204,22 +208,11 @@ def _check_projected(rank, world, mesh, style_kwargs, layout, kind, causal, H=8,
 
 
 # ============================================================================ modes × layouts × kernels
-def _grid_case(rank, world, plan, S):
-    """``plan``: list of (style kwargs, [(layout, kind, causal), ...]). Returns the case count."""
-    mesh = _cp_mesh(world)
-    n = 0
-    for style_kwargs, grid in plan:
-        for layout, kind, causal in grid:
-            _check(rank, world, mesh, style_kwargs, layout, kind, causal, S=S)
-            n += 1
-    return n
-
-
 def _plan(world):
     if world == 2:
-        return [(mode, FULL_GRID) for mode in (UL, AG, LB)]
+        return [(mode, neutral.GRID) for mode in (UL, AG, LB)]
     if world == 4:
-        return [(mode, FULL_GRID) for mode in (UL, AG, {"ulysses_degree": 2}, LB)]
+        return [(mode, neutral.GRID) for mode in (UL, AG, {"ulysses_degree": 2}, LB)]
     # world 8: every mode (hybrid 4×2 and 2×4) on a part of the grid chosen so that each mode sees
     # both layouts, both kernels and both causal flags, and every grid point runs at least once.
     return [
@@ -232,13 +225,21 @@ def _plan(world):
     ]
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
-def test_modes_layouts_kernels(world):
-    """Every mode × {causal, non-causal} × {BSHD, BNSD} × {sdpa, matmul} on worlds 2 and 4 (hybrid
-    2×2 on 4); on 8 every mode (hybrid 4×2 and 2×4) on a covering part of that grid."""
+@pytest.mark.parametrize("framework,world", framework_worlds(2, 4, 8))
+def test_modes_layouts_kernels(framework, world):
+    """Every mode × {causal, non-causal} × {BSHD, BNSD} × {SDPA, matmul/softmax} on worlds 2 and 4
+    (hybrid 2×2 on 4); on 8 every mode (hybrid 4×2 and 2×4) on a covering part of that grid. The
+    same cases (tests/cases/context_parallel.py) on torch modules and MindSpore Cells."""
     S = 32 if world == 8 else 16
-    counts = run_dist(world, _grid_case, _plan(world), S, timeout=900)
-    assert counts == [sum(len(g) for _, g in _plan(world))] * world
+    done = run_on(framework, world, neutral.cp_grid, _plan(world), S, timeout=280)
+    assert [len(d) for d in done] == [sum(len(g) for _, g in _plan(world))] * world
+
+
+@pytest.mark.parametrize("framework,world", framework_worlds(2, 4))
+def test_masks_dtensor_io_and_errors(framework, world):
+    """Explicit global masks in every mode, DTensor in -> DTensor out, errors before any collective."""
+    done = run_on(framework, world, neutral.cp_extras, timeout=280)
+    assert [len(d) for d in done] == [2 * (4 if world == 4 else 3)] * world
 
 
 # ============================================================================ masks, projections, GQA

@@ -1,0 +1,104 @@
+"""ContextParallel (Ulysses, all-gather KV, hybrid, head-tail load balance) vs single-process
+attention on the full sequence, forward and dq/dk/dv, on any framework.
+
+Every rank builds the full q, k, v and the output weight w from one seed, computes the reference
+(out, and the gradients of sum(out * w)) with the plain module, then runs its own contiguous block
+through the ContextParallel module; its local loss is sum(out_block * w_block), so the gradients of
+the local q, k, v blocks are the blocks of the reference gradients.
+"""
+import numpy as np
+
+from tests.frameworks import close, current, expect_error, grad_of, inp, t
+
+B, D = 2, 4
+LAYOUTS = {"bshd": (1, 2), "bnsd": (2, 1)}   # layout -> (seq_dim, head_dim)
+GRID = [(layout, kind, causal) for layout in LAYOUTS for kind in ("sdpa", "matmul") for causal in (True, False)]
+UL, AG, LB = {"ulysses_degree": None}, {"ulysses_degree": 1}, {"ulysses_degree": 1, "load_balance": True}
+
+
+def _shape(layout, S, H):
+    return (B, S, H, D) if layout == "bshd" else (B, H, S, D)
+
+
+def _block(array, dim, index, parts):
+    return np.split(array, parts, axis=dim)[index]
+
+
+def _cp_mesh(world_size):
+    from hyper_parallel import init_device_mesh
+    return init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+
+
+def check(rank, world_size, mesh, style_kwargs, layout="bshd", kind="sdpa", causal=True, H=8, S=16,
+          mask=None):
+    """One ContextParallel call on this rank's block vs the reference: output and dq, dk, dv.
+    ``mask``: an optional global (S, S) bool array (True = may attend)."""
+    from hyper_parallel import ContextParallel
+    fw = current()
+    seq, head = LAYOUTS[layout]
+    tag = f"{layout}{kind}{causal}{H}{S}{mask is None}"
+    q, k, v, w = (inp(f"cp{tag}{i}", 0, _shape(layout, S, H)) for i in range(4))
+    mask_t = None if mask is None else t(mask)
+    ref_cell = fw.attention(kind, layout)
+
+    def reference(q_, k_, v_):
+        return ref_cell(q_, k_, v_, mask=mask_t, causal=causal)
+    ref_out = reference(t(q), t(k), t(v))
+    ref_grads = grad_of(lambda a, b, c: (reference(a, b, c) * t(w)).sum(), t(q), t(k), t(v))
+
+    cell = fw.attention(kind, layout)
+    ContextParallel(seq_dim=seq, head_dim=head, **style_kwargs).apply(cell, mesh)
+    me, n = mesh.get_local_rank(0), mesh.size()
+    blocks = [t(_block(x, seq, me, n)) for x in (q, k, v)]
+    w_block = t(_block(w, seq, me, n))
+
+    def dist(a, b, c):
+        return cell(a, b, c, mask=mask_t, causal=causal)
+    what = f"{style_kwargs} {layout} {kind} causal={causal} H={H} S={S} mask={mask is not None}"
+    out = dist(*blocks)
+    assert fw.is_plain_tensor(out), f"{what}: a local input gave {type(out)}"
+    close(out, _block(fw.numpy(ref_out), seq, me, n), "forward " + what)
+    grads = grad_of(lambda a, b, c: (dist(a, b, c) * w_block).sum(), *blocks)
+    for name, g, ref in zip("qkv", grads, ref_grads):
+        close(g, _block(fw.numpy(ref), seq, me, n), f"d{name} " + what)
+    return what
+
+
+def cp_grid(rank, world_size, plan, S=16, H=8):
+    """``plan``: [(style kwargs, [(layout, kind, causal), ...]), ...]. Returns the checks done."""
+    mesh = _cp_mesh(world_size)
+    return [check(rank, world_size, mesh, style, layout, kind, causal, H=H, S=S)
+            for style, points in plan for layout, kind, causal in points]
+
+
+def random_mask(S, seed=7):
+    """A global (S, S) bool mask in which every row sees at least its diagonal."""
+    return (np.random.RandomState(seed).rand(S, S) < 0.6) | np.eye(S, dtype=bool)
+
+
+def cp_extras(rank, world_size):
+    """Explicit global masks (sliced to the local rows), DTensor in -> DTensor out with the same
+    placements, and validation errors raised before any collective."""
+    from hyper_parallel import ContextParallel, DTensor, Shard
+    fw = current()
+    mesh = _cp_mesh(world_size)
+    S = 4 * world_size
+    modes = [UL, AG, LB] + ([{"ulysses_degree": 2}] if world_size == 4 else [])
+    done = [check(rank, world_size, mesh, mode, "bshd", kind, False, S=S, mask=random_mask(S))
+            for mode in modes for kind in ("sdpa", "matmul")]
+    # a DTensor q/k/v (Shard(seq) on the CP mesh) gives a DTensor output with the same placements
+    cell = fw.attention("sdpa", "bshd")
+    ContextParallel(seq_dim=1, head_dim=2).apply(cell, mesh)
+    x = inp("dtin", 0, _shape("bshd", S, 8))
+    dts = [DTensor.from_local(t(_block(x, 1, rank, world_size)), mesh, [Shard(1)]) for _ in range(3)]
+    out = cell(*dts, causal=True)
+    assert isinstance(out, DTensor) and list(out.placements) == [Shard(1)], (type(out), out)
+    ref = fw.attention("sdpa", "bshd")(t(x), t(x), t(x), causal=True)
+    close(out.full_tensor(), fw.numpy(ref), "DTensor in -> DTensor out")
+    # heads not divisible by the Ulysses degree: a ValueError naming the heads, on every rank
+    bad_heads = fw.attention("sdpa", "bshd")
+    ContextParallel(seq_dim=1, head_dim=2, ulysses_degree=world_size).apply(bad_heads, mesh)
+    odd = t(np.zeros((B, 2, world_size + 1, D), np.float32))
+    expect_error(ValueError, lambda: bad_heads(odd, odd, odd), "heads")
+    expect_error(ValueError, lambda: ContextParallel(ulysses_degree=2, load_balance=True), "load_balance")
+    return done
