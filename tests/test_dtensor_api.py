@@ -2,11 +2,14 @@
 distribute_module, DTensor parameters under torch.optim, backward on a DTensor loss.
 
 Checks run on 4 ranks and are grouped into a few ``run_dist`` cases; references are single-process
-torch computed on every rank from the same seeds.
+torch computed on every rank from the same seeds. The conversions of every placement pair and
+distribute_tensor are platform-neutral (tests/cases/dtensor.py) and also run on MindSpore.
 """
 import pytest
 
+from tests.cases import dtensor as neutral
 from tests.harness import run_dist
+from tests.harness.frameworks import FRAMEWORKS, framework_worlds, run_on
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
@@ -294,3 +297,18 @@ def _modules_and_optim(rank, world_size):
 
 def test_modules_optimizers_backward():
     assert run_dist(4, _modules_and_optim, timeout=180) == [{"SGD": True, "AdamW": True}] * 4
+
+
+# ============================================================================ on every framework
+@pytest.mark.parametrize("framework,world_size", framework_worlds(2, 4))
+def test_conversions_every_placement_pair(framework, world_size):
+    """from_local / redistribute / to_local for every pair of placements (1-D, and 2x2 on 4 ranks;
+    even and uneven shapes), forward and backward; full_tensor; run_check
+    (tests/cases/dtensor.py, on torch and MindSpore)."""
+    counts = run_on(framework, world_size, neutral.conversions, timeout=280)
+    assert counts[0] == counts[-1] and counts[0] >= 32
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_distribute_tensor_from_one_or_every_rank(framework):
+    assert run_on(framework, 2, neutral.distribute) == [True, True]

@@ -16,7 +16,9 @@ import warnings
 
 import pytest
 
+from tests.cases import dtensor as neutral
 from tests.harness import run_dist
+from tests.harness.frameworks import FRAMEWORKS, framework_worlds, run_on
 
 WORLD_SIZES = [2, 4]
 
@@ -591,3 +593,18 @@ def test_docs_worked_example(world_size):
 
 def test_strict_dispatch_and_warn_once():
     _assert_clean(run_dist(2, _fallback_case), 5)
+
+
+# ============================================================================ on every framework
+@pytest.mark.parametrize("framework,world_size", framework_worlds(2, 4))
+def test_common_ops_on_every_framework(framework, world_size):
+    """The operator surface both frameworks share (elementwise, matmul / bmm / linear, views,
+    softmax, reductions, cat / split / indexing, dropout, casts, SDPA, cumsum), spelled with each
+    framework's own ops, every placement combination, forward and gradients (tests/cases/dtensor.py)."""
+    counts = run_on(framework, world_size, neutral.ops_dispatch, timeout=280)
+    assert counts[0] == counts[-1] and counts[0] >= 80
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_fallback_warns_once_and_strict_mode_raises(framework):
+    assert run_on(framework, 2, neutral.fallback_and_strict) == [True, True]
