@@ -2,11 +2,14 @@
 
 Every distributed case builds the same model on every rank from one seed, runs the unsharded
 reference in-process and compares (fp32, 1e-5). Checks are grouped into a few ``run_dist`` calls
-(each a round trip to the worker pool).
+(each a round trip to the worker pool). The Colwise -> Rowwise MLP is platform-neutral
+(tests/cases/tensor_parallel.py) and runs on torch and on MindSpore Cells.
 """
 import pytest
 
+from tests.cases import tensor_parallel as neutral
 from tests.harness import run_dist
+from tests.harness.frameworks import run_on
 
 DIM, HEADS, HEAD_DIM, FFN = 32, 4, 8, 64
 BATCH, SEQ = 2, 8
@@ -552,3 +555,15 @@ def test_public_names():
                  "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "NoParallel",
                  "parallelize_module", "loss_parallel"):
         assert getattr(hyper_parallel, name) is getattr(tensor_parallel, name)
+
+
+# ============================================================================ on every framework
+@pytest.mark.parametrize("framework,kind", [
+    ("torch", "linear"),
+    pytest.param("mindspore", "mint", marks=pytest.mark.mindspore),
+    pytest.param("mindspore", "dense", marks=pytest.mark.mindspore)])
+def test_colwise_rowwise_mlp(framework, kind):
+    """nn.Linear (torch), mint.nn.Linear and nn.Dense (MindSpore): forward with one all-reduce,
+    input and parameter gradients, the forward after an SGD step."""
+    names = run_on(framework, 2, neutral.colwise_rowwise, kind, timeout=280)
+    assert names[0] == ["w1.bias", "w1.weight", "w2.bias", "w2.weight"]
