@@ -1,5 +1,6 @@
-"""Platform selection (HP_PLATFORM), its errors, the capability table, and the rule that
-``hyper_parallel/core`` never imports a framework."""
+"""Platform selection (HP_PLATFORM), its errors, the capability table, the rule that
+``hyper_parallel/core`` never imports a framework, and -- on torch and on MindSpore -- process
+groups, custom autograd functions and the attention kernels."""
 import ast
 import importlib.util
 import pathlib
@@ -9,11 +10,13 @@ import pytest
 
 from hyper_parallel.platform import VALID_PLATFORMS, get_platform, reset_platform
 from hyper_parallel.platform import selection
+from tests.cases import platform_surface as surface
 from tests.harness import run_dist
+from tests.harness.frameworks import FRAMEWORKS, framework_worlds, run_on
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CORE = ROOT / "hyper_parallel" / "core"
-FRAMEWORKS = ("torch", "torch_npu", "mindspore")
+FRAMEWORK_MODULES = ("torch", "torch_npu", "mindspore")
 
 
 @pytest.fixture
@@ -191,7 +194,7 @@ def _framework_imports(source, filename="<source>"):
             if called in ("import_module", "__import__"):
                 names = [node.args[0].value]
         for name in names:
-            if name.split(".")[0] in FRAMEWORKS:
+            if name.split(".")[0] in FRAMEWORK_MODULES:
                 found.append(f"line {node.lineno}: imports {name}")
     return found
 
@@ -221,3 +224,22 @@ def test_core_never_imports_a_framework():
             offenders[str(path.relative_to(ROOT))] = found
     assert not offenders, ("hyper_parallel/core must reach frameworks only through get_platform(); "
                            f"framework imports found: {offenders}")
+
+
+# ============================================================================ on every framework
+@pytest.mark.parametrize("framework,world_size", framework_worlds(2, 4))
+def test_process_groups(framework, world_size):
+    """Groups keep their creation order (get_rank, group_ranks, all_gather), are cached by rank
+    tuple, and DeviceMesh builds its groups through them (tests/cases/platform_surface.py)."""
+    assert run_on(framework, world_size, surface.process_groups) == [True] * world_size
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_make_autograd_function(framework):
+    assert run_on(framework, 2, surface.autograd_function) == [True, True]
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_attention_kernels(framework):
+    """SDPA (causal, bool mask, GQA) vs numpy and the ring block kernels vs autograd of SDPA."""
+    assert run_on(framework, 2, surface.attention_kernels) == [True, True]

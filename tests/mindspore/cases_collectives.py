@@ -2,7 +2,7 @@
 p2p from AllGather/AllReduce, and reports the bytes the emulation really sends under the logical
 op's name. (The collectives' values and gradients are checked on every platform by
 tests/cases/collectives.py.)"""
-from tests.mindspore.common import inp, t
+from tests.frameworks import inp, t
 
 
 # =============================================================================== accounting
