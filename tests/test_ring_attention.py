@@ -6,11 +6,14 @@ Every rank builds the full q, k, v from one seed, computes single-device
 ``sum(out * w)``) as the reference, and runs only its own block through the ring. fp32 results
 must match within 1e-5; bf16 within 2e-2 of an fp32 reference at P = 8. Also measured: the K/V
 bytes a rank holds (ring O(S/P), all-gather O(S)), and the P2P bytes sent (SPEC §8).
-Checks are grouped into few ``run_dist`` calls (8 ranks on 2 cores are slow).
+Checks are grouped into few ``run_dist`` calls (8 ranks on 2 cores are slow). The ring modes of
+ContextParallel run on torch and on MindSpore (tests/cases/context_parallel.py); the rest is torch.
 """
 import pytest
 
+from tests.cases import context_parallel as neutral
 from tests.harness import run_dist
+from tests.harness.frameworks import framework_worlds, run_on
 
 B, D = 2, 8
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -100,57 +103,28 @@ def _max_err(a, b):
     return (a.float() - b.float()).abs().max().item()
 
 
-def _run_cp(rank, world, mesh, style, layout, causal, S, H, Hkv=None, refs=None):
-    """One ContextParallel(kv_exchange="ring") call on this rank's contiguous block vs the
-    full-sequence reference: output and dq, dk, dv (fp32, 1e-5)."""
-    seq, head = LAYOUTS[layout]
-    q, k, v, w = _qkv(layout, S, H, Hkv)
-    key = (layout, causal, S, H, Hkv)
-    if refs is None or key not in refs:
-        ref = _reference(q, k, v, w, causal, layout)
-        if refs is not None:
-            refs[key] = ref
-    else:
-        ref = refs[key]
-    leaves = [_leaf(_block(t, seq, rank, world)) for t in (q, k, v)]
-    module = _ring_module(style, layout, mesh)
-    out = module(*leaves, causal=causal)
-    where = f"{style} {layout} causal={causal} S={S} H={H} Hkv={Hkv} world={world}"
-    assert not hasattr(out, "placements"), f"local in -> local out ({where})"
-    _close(out, _block(ref[0], seq, rank, world), f"out {where}")
-    (out * _block(w, seq, rank, world)).sum().backward()
-    for name, leaf, g in zip("qkv", leaves, ref[1]):
-        _close(leaf.grad, _block(g, seq, rank, world), f"d{name} {where}")
-
-
 # ============================================================================ ContextParallel ring modes
-def _modes_case(rank, world, plan):
-    """``plan``: [(style kwargs, layout, causal, S, H, Hkv)]; returns the number of checks."""
-    mesh = _cp_mesh(world)
-    refs = {}
-    for style, layout, causal, S, H, Hkv in plan:
-        _run_cp(rank, world, mesh, style, layout, causal, S, H, Hkv, refs)
-    return len(plan)
-
-
-def _plan(world):
-    S = 2 * world * 2                                   # zigzag: 2 rows per chunk of 2P
+def _plan(framework, world):
+    """ring, ring+zigzag and (world >= 4) hybrid-ring × BSHD/BNSD × causal/non-causal, plus GQA
+    (4 query heads on 2 k/v heads; hybrid: each Ulysses rank keeps 2 q heads on 1 kv head).
+    MindSpore on 4 ranks (emulated p2p: every ring hop is an all-gather on CPU) gets a covering
+    part of that grid: every layout, causal flag and GQA in every mode."""
     modes = [RING, ZIGZAG] + ([HYBRID] if world >= 4 else [])
-    plan = [(mode, layout, causal, S, 4, None)
-            for mode in modes for layout in LAYOUTS for causal in (True, False)]
-    # GQA: 4 query heads on 2 k/v heads (hybrid: each Ulysses rank keeps 2 q heads on 1 kv head)
-    plan += [(mode, "bshd", True, S, 4, 2) for mode in modes]
-    plan += [(mode, "bnsd", False, S, 4, 2) for mode in modes]
-    return plan
+    points = [(layout, "sdpa", causal) for layout in LAYOUTS for causal in (True, False)]
+    points += [("bshd", "sdpa", True, 2), ("bnsd", "sdpa", False, 2)]
+    if framework == "mindspore" and world >= 4:
+        points = [("bshd", "sdpa", True), ("bnsd", "sdpa", True, 2), ("bnsd", "sdpa", False)]
+    return [(mode, points) for mode in modes]
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
-def test_ring_modes_match_single_device(world):
-    """ring (ulysses_degree=1), ring+zigzag (load_balance=True) and hybrid-ring (ulysses_degree=2,
-    worlds 4 and 8) × causal/non-causal × BSHD/BNSD, plus GQA: output and q/k/v gradients equal
-    single-device SDPA on the full sequence (fp32, 1e-5)."""
-    plan = _plan(world)
-    assert run_dist(world, _modes_case, plan, timeout=600) == [len(plan)] * world
+@pytest.mark.parametrize("framework,world", framework_worlds(2, 4, 8))
+def test_ring_modes_match_single_device(framework, world):
+    """Output and q/k/v gradients equal single-device SDPA on the full sequence (fp32, 1e-5), on
+    torch modules and MindSpore Cells (tests/cases/context_parallel.py)."""
+    plan = _plan(framework, world)
+    S = 2 * world * 2                                   # zigzag: 2 rows per chunk of 2P
+    done = run_on(framework, world, neutral.cp_grid, plan, S, 4, timeout=280)
+    assert [len(d) for d in done] == [sum(len(points) for _, points in plan)] * world
 
 
 # ============================================================================ ring_attention directly

@@ -30,14 +30,16 @@ def _cp_mesh(world_size):
 
 
 def check(rank, world_size, mesh, style_kwargs, layout="bshd", kind="sdpa", causal=True, H=8, S=16,
-          mask=None):
+          mask=None, Hkv=None):
     """One ContextParallel call on this rank's block vs the reference: output and dq, dk, dv.
-    ``mask``: an optional global (S, S) bool array (True = may attend)."""
+    ``mask``: an optional global (S, S) bool array (True = may attend); ``Hkv``: fewer k/v heads
+    (GQA)."""
     from hyper_parallel import ContextParallel
     fw = current()
     seq, head = LAYOUTS[layout]
-    tag = f"{layout}{kind}{causal}{H}{S}{mask is None}"
-    q, k, v, w = (inp(f"cp{tag}{i}", 0, _shape(layout, S, H)) for i in range(4))
+    tag = f"{layout}{kind}{causal}{H}{S}{mask is None}{Hkv}"
+    q, w = (inp(f"cp{tag}{i}", 0, _shape(layout, S, H)) for i in "qw")
+    k, v = (inp(f"cp{tag}{i}", 0, _shape(layout, S, Hkv or H)) for i in "kv")
     mask_t = None if mask is None else t(mask)
     ref_cell = fw.attention(kind, layout)
 
@@ -54,7 +56,7 @@ def check(rank, world_size, mesh, style_kwargs, layout="bshd", kind="sdpa", caus
 
     def dist(a, b, c):
         return cell(a, b, c, mask=mask_t, causal=causal)
-    what = f"{style_kwargs} {layout} {kind} causal={causal} H={H} S={S} mask={mask is not None}"
+    what = f"{style_kwargs} {layout} {kind} causal={causal} H={H} Hkv={Hkv} S={S} mask={mask is not None}"
     out = dist(*blocks)
     assert fw.is_plain_tensor(out), f"{what}: a local input gave {type(out)}"
     close(out, _block(fw.numpy(ref_out), seq, me, n), "forward " + what)
@@ -65,10 +67,11 @@ def check(rank, world_size, mesh, style_kwargs, layout="bshd", kind="sdpa", caus
 
 
 def cp_grid(rank, world_size, plan, S=16, H=8):
-    """``plan``: [(style kwargs, [(layout, kind, causal), ...]), ...]. Returns the checks done."""
+    """``plan``: [(style kwargs, [(layout, kind, causal[, Hkv]), ...]), ...]. Returns the checks
+    done."""
     mesh = _cp_mesh(world_size)
-    return [check(rank, world_size, mesh, style, layout, kind, causal, H=H, S=S)
-            for style, points in plan for layout, kind, causal in points]
+    return [check(rank, world_size, mesh, style, *point[:3], H=H, S=S, Hkv=point[3] if len(point) > 3 else None)
+            for style, points in plan for point in points]
 
 
 def random_mask(S, seed=7):

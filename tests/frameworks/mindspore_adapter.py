@@ -87,9 +87,13 @@ class MindSporeAdapter:
             def construct(self, q, k, v, mask=None, causal=False):
                 if layout == "bshd":
                     q, k, v = (x.swapaxes(1, 2) for x in (q, k, v))
+                gqa = q.shape[-3] != k.shape[-3]
                 if kind == "sdpa":
-                    o = scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+                    o = scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
                 else:
+                    if gqa:
+                        rep = q.shape[-3] // k.shape[-3]
+                        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
                     scores = ops.matmul(q, k.swapaxes(-2, -1)) * (q.shape[-1] ** -0.5)
                     if causal:
                         sq, sk = q.shape[-2], k.shape[-2]

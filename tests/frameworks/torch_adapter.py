@@ -83,14 +83,19 @@ class TorchAdapter:
     @staticmethod
     def attention(kind="sdpa", layout="bshd"):
         """Core attention ``forward(q, k, v, mask=None, causal=False)``: ``sdpa`` calls torch's SDPA;
-        ``matmul`` is q @ kᵀ / softmax / @ v with the causal mask built from the global lengths."""
+        ``matmul`` is q @ kᵀ / softmax / @ v with the causal mask built from the global lengths.
+        Fewer k/v heads than query heads is GQA (enable_gqa / repeated k, v)."""
         class Attention(nn.Module):
             def forward(self, q, k, v, mask=None, causal=False):
                 if layout == "bshd":
                     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+                gqa = q.shape[-3] != k.shape[-3]
                 if kind == "sdpa":
-                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
                 else:
+                    if gqa:
+                        rep = q.shape[-3] // k.shape[-3]
+                        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
                     scores = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5)
                     if causal:
                         sq, sk = q.shape[-2], k.shape[-2]

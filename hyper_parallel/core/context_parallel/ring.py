@@ -45,7 +45,11 @@ def _expand_heads(t, groups):
 
 
 def _fold_heads(t, groups):
-    return t if groups == 1 else t.unflatten(-3, (t.shape[-3] // groups, groups)).sum(-3)
+    """Sum the gradients of the query heads that share one k/v head (GQA)."""
+    if groups == 1:
+        return t
+    shape = tuple(t.shape)
+    return t.reshape(shape[:-3] + (shape[-3] // groups, groups) + shape[-2:]).sum(-3)
 
 
 def _merge(acc, out, lse):
@@ -122,9 +126,10 @@ def _backward(ctx, grad_out):
     for step in range(layout.size):
         holder = (layout.index - step) % layout.size
         pending = ring.start(kv) if step < layout.size - 1 else None
-        dk, dv = kv[0].new_zeros(kv[0].shape, dtype=acc_dtype), kv[1].new_zeros(kv[1].shape, dtype=acc_dtype)
         k_parts, v_parts = kv[0].chunk(n_sub, SEQ), kv[1].chunk(n_sub, SEQ)
-        dk_parts, dv_parts = dk.chunk(n_sub, SEQ), dv.chunk(n_sub, SEQ)
+        # accumulate out of place: chunks are views in torch but copies in MindSpore
+        dk_parts = [p.new_zeros(p.shape, dtype=acc_dtype) for p in k_parts]
+        dv_parts = [p.new_zeros(p.shape, dtype=acc_dtype) for p in v_parts]
         for i in range(n_sub):
             for j, k_id in enumerate(layout.chunk_ids(holder)):
                 relation = _relation(my_ids[i], k_id, causal)
@@ -133,15 +138,15 @@ def _backward(ctx, grad_out):
                 dqi, dkj, dvj = platform.attention_block_backward(
                     g_parts[i], q_parts[i], _expand_heads(k_parts[j], groups), _expand_heads(v_parts[j], groups),
                     out_parts[i], lse_parts[i], relation == "diag", scale)
-                dq[i] += dqi
-                dk_parts[j].add_(_fold_heads(dkj, groups))
-                dv_parts[j].add_(_fold_heads(dvj, groups))
+                dq[i] = dq[i] + dqi
+                dk_parts[j] = dk_parts[j] + _fold_heads(dkj, groups)
+                dv_parts[j] = dv_parts[j] + _fold_heads(dvj, groups)
+        dk, dv = (parts[0] if n_sub == 1 else platform.cat(parts, SEQ % k.ndim) for parts in (dk_parts, dv_parts))
         if step == 0:
             own = (dk, dv)
         else:
             if travelling is not None:
-                dk.add_(travelling[0])
-                dv.add_(travelling[1])
+                dk, dv = dk + travelling[0], dv + travelling[1]
                 travelling = None
             # hand this block's gradient on; receive the one for the block held next (or our own)
             travelling = tuple(ring.start((dk, dv)).wait())
