@@ -66,6 +66,55 @@ def check(rank, world_size, mesh, style_kwargs, layout="bshd", kind="sdpa", caus
     return what
 
 
+def check_projected(rank, world_size, mesh, style_kwargs, layout, kind, causal, H=4, S=16, E=8):
+    """q, k, v = Linear(x) of this rank's block of hidden states x, then ContextParallel attention:
+    output, dx and the weight and bias gradients of the three projections (each rank's are the
+    gradient of its own loss term: summed over ranks they equal the reference)."""
+    from hyper_parallel import ContextParallel
+    from hyper_parallel.platform import get_platform
+    fw = current()
+    seq, head = LAYOUTS[layout]
+    x = inp("projx", 0, (B, S, E))
+    w = inp("projw", 0, _shape(layout, S, H))
+
+    def build():
+        proj = fw.projections(E, H * D)
+        fw.set_parameters(proj, {name: inp(f"proj{name}", 0, shape) * 0.3
+                                 for name, shape in fw.parameter_shapes(proj).items()})
+        return proj
+
+    def attend(proj, attention, xs):
+        qkv = [p.reshape(B, xs.shape[1], H, D) for p in proj(xs)]
+        if layout == "bnsd":
+            qkv = [p.swapaxes(1, 2) for p in qkv]
+        return attention(*qkv, causal=causal)
+
+    ref_proj, ref_attention = build(), fw.attention(kind, layout)
+    ref_out = fw.numpy(attend(ref_proj, ref_attention, t(x)))
+    ref_dx, ref_grads = fw.grads_then_sgd(ref_proj, lambda xs: (attend(ref_proj, ref_attention, xs) * t(w)).sum(),
+                                          t(x), lr=0.0)
+    proj, attention = build(), fw.attention(kind, layout)
+    ContextParallel(seq_dim=seq, head_dim=head, **style_kwargs).apply(attention, mesh)
+    me, n = mesh.get_local_rank(0), mesh.size()
+    x_block, w_block = t(_block(x, 1, me, n)), t(_block(w, seq, me, n))
+    what = f"projected {style_kwargs} {layout} {kind} causal={causal}"
+    close(attend(proj, attention, x_block), _block(ref_out, seq, me, n), "forward " + what)
+    dx, grads = fw.grads_then_sgd(proj, lambda xs: (attend(proj, attention, xs) * w_block).sum(), x_block, lr=0.0)
+    close(dx, _block(ref_dx, 1, me, n), "dx " + what)
+    platform = get_platform()
+    for name, g in grads.items():
+        close(platform.all_reduce(t(g), None), ref_grads[name], f"d{name} (summed over ranks) " + what)
+    return what
+
+
+def cp_projected(rank, world_size):
+    """Every mode, both layouts and kernels, with q, k, v projected by Linear layers."""
+    mesh = _cp_mesh(world_size)
+    modes = [UL, AG, LB] + ([{"ulysses_degree": 2}] if world_size == 4 else [])
+    return [check_projected(rank, world_size, mesh, mode, layout, kind, True, S=4 * world_size)
+            for mode in modes for layout, kind in (("bshd", "sdpa"), ("bnsd", "matmul"))]
+
+
 def cp_grid(rank, world_size, plan, S=16, H=8):
     """``plan``: [(style kwargs, [(layout, kind, causal[, Hkv]), ...]), ...]. Returns the checks
     done."""
@@ -80,8 +129,8 @@ def random_mask(S, seed=7):
 
 
 def cp_extras(rank, world_size):
-    """Explicit global masks (sliced to the local rows), DTensor in -> DTensor out with the same
-    placements, and validation errors raised before any collective."""
+    """Explicit global masks (sliced to the local rows), GQA, DTensor in -> DTensor out with the
+    same placements, and validation errors raised before any collective."""
     from hyper_parallel import ContextParallel, DTensor, Shard
     fw = current()
     mesh = _cp_mesh(world_size)
@@ -89,6 +138,9 @@ def cp_extras(rank, world_size):
     modes = [UL, AG, LB] + ([{"ulysses_degree": 2}] if world_size == 4 else [])
     done = [check(rank, world_size, mesh, mode, "bshd", kind, False, S=S, mask=random_mask(S))
             for mode in modes for kind in ("sdpa", "matmul")]
+    # GQA: 8 query heads on 4 k/v heads (Ulysses splits both)
+    done += [check(rank, world_size, mesh, mode, layout, kind, True, S=S, Hkv=4)
+             for mode in modes for layout, kind in (("bshd", "sdpa"), ("bnsd", "matmul"))]
     # a DTensor q/k/v (Shard(seq) on the CP mesh) gives a DTensor output with the same placements
     cell = fw.attention("sdpa", "bshd")
     ContextParallel(seq_dim=1, head_dim=2).apply(cell, mesh)

@@ -120,6 +120,18 @@ class MindSporeAdapter:
         return MLP()
 
     @staticmethod
+    def projections(dim, out, names=("wq", "wk", "wv")):
+        class Projections(ms.nn.Cell):
+            def __init__(self):
+                super().__init__()
+                for name in names:
+                    setattr(self, name, mint.nn.Linear(dim, out))
+
+            def construct(self, x):
+                return tuple(getattr(self, name)(x) for name in names)
+        return Projections()
+
+    @staticmethod
     def parameter_shapes(cell):
         return {name: tuple(p.shape) for name, p in cell.parameters_and_names()}
 

@@ -119,6 +119,19 @@ class TorchAdapter:
         return MLP()
 
     @staticmethod
+    def projections(dim, out, names=("wq", "wk", "wv")):
+        """Linear layers ``names`` (dim -> out) applied to one input: ``forward(x) -> tuple``."""
+        class Projections(nn.Module):
+            def __init__(self):
+                super().__init__()
+                for name in names:
+                    setattr(self, name, nn.Linear(dim, out))
+
+            def forward(self, x):
+                return tuple(getattr(self, name)(x) for name in names)
+        return Projections()
+
+    @staticmethod
     def parameter_shapes(module):
         return {name: tuple(p.shape) for name, p in module.named_parameters()}
 
