@@ -605,6 +605,13 @@ def test_common_ops_on_every_framework(framework, world_size):
     assert counts[0] == counts[-1] and counts[0] >= 80
 
 
+@pytest.mark.parametrize("framework,world_size", framework_worlds(2, 4))
+def test_embedding_lookup_every_table_layout(framework, world_size):
+    """Vocab-parallel, column-parallel and replicated tables (torch F.embedding, MindSpore
+    ops.gather(table, ids, 0) as nn.Embedding runs it), forward and the table's gradient."""
+    assert run_on(framework, world_size, neutral.embedding_lookup) == [9] * world_size
+
+
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_fallback_warns_once_and_strict_mode_raises(framework):
     assert run_on(framework, 2, neutral.fallback_and_strict) == [True, True]

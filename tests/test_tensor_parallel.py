@@ -9,7 +9,7 @@ import pytest
 
 from tests.cases import tensor_parallel as neutral
 from tests.harness import run_dist
-from tests.harness.frameworks import run_on
+from tests.harness.frameworks import framework_worlds, run_on
 
 DIM, HEADS, HEAD_DIM, FFN = 32, 4, 8, 64
 BATCH, SEQ = 2, 8
@@ -567,3 +567,10 @@ def test_colwise_rowwise_mlp(framework, kind):
     input and parameter gradients, the forward after an SGD step."""
     names = run_on(framework, 2, neutral.colwise_rowwise, kind, timeout=280)
     assert names[0] == ["w1.bias", "w1.weight", "w2.bias", "w2.weight"]
+
+
+@pytest.mark.parametrize("framework,world_size", framework_worlds(2, 4))
+def test_embedding_rowwise_and_colwise(framework, world_size):
+    """torch nn.Embedding and MindSpore nn.Embedding (its ``embedding_table``) under both styles."""
+    done = run_on(framework, world_size, neutral.embedding_styles, timeout=280)
+    assert [len(d) for d in done] == [2] * world_size

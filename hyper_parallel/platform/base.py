@@ -156,6 +156,11 @@ class Platform:
         raise NotImplementedError
 
     @staticmethod
+    def embedding_weight_name(module):
+        """The name of an embedding module's table parameter (torch: ``weight``)."""
+        return "weight"
+
+    @staticmethod
     def named_children(module):
         """(name, child module) pairs (torch's spelling; MindSpore's Cell differs)."""
         return module.named_children()

@@ -199,6 +199,43 @@ def ops_dispatch(rank, world_size, names=None):
     return len(checked)
 
 
+def embedding_lookup(rank, world_size):
+    """An embedding lookup on a vocab-sharded (Shard(0): Partial output), column-sharded
+    (Shard(1): Shard(-1) output) or replicated table, with replicated or sharded ids: forward, the
+    output placements, the table's gradient, and no replicated fallback on the way."""
+    import warnings
+    from hyper_parallel import DTensor, Partial, Shard
+    X = current().ops
+    mesh = _mesh(world_size)
+    vocab, dim = 4 * world_size + 1, 6
+    table = inp("emb", 0, (vocab, dim))
+    ids = np.random.RandomState(3).randint(0, vocab, (2, 2 * world_size)).astype(np.int32)
+    reference = current().numpy(X.embedding(t(ids), t(table)))
+    gw = inp("embw", 0, reference.shape)
+    (ref_grad,) = grad_of(lambda w: (X.embedding(t(ids), w) * t(gw)).sum(), t(table))
+    expected_out = {"S0": [Partial("sum")], "S1": [Shard(2)]}
+    checked = 0
+    for w_spec, ids_spec in itertools.product(("S0", "S1", "R"), ("R", "S0", "S1")):
+        w_place, ids_place = _placements([w_spec]), _placements([ids_spec])
+        ids_dt = DTensor.from_local(t(local_piece(ids, ids_place, mesh)), mesh, ids_place, shape=ids.shape)
+        what = f"embedding table {w_spec} ids {ids_spec}"
+
+        def lookup(local_table):
+            return X.embedding(ids_dt, DTensor.from_local(local_table, mesh, w_place, shape=table.shape))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = lookup(t(local_piece(table, w_place, mesh)))
+            (g,) = grad_of(lambda w: (lookup(w).full_tensor() * t(gw)).sum(), t(local_piece(table, w_place, mesh)))
+        fallbacks = [str(c.message) for c in caught if "no sharding rule" in str(c.message)]
+        assert not fallbacks, f"{what}: {fallbacks}"
+        if w_spec in expected_out:
+            assert list(out.placements) == expected_out[w_spec], f"{what}: {out.placements}"
+        close(out.full_tensor(), reference, "forward " + what)
+        close(g, grad_piece(current().numpy(ref_grad), w_place, mesh), "table gradient " + what)
+        checked += 1
+    return checked
+
+
 def fallback_and_strict(rank, world_size):
     """An op without a rule warns once and runs replicated; HP_STRICT_DISPATCH=1 raises instead;
     operations a DTensor cannot honour on a shard raise."""

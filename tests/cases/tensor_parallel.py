@@ -49,3 +49,32 @@ def colwise_rowwise(rank, world_size, kind):
     close(mlp(t(x)), fw.numpy(ref(t(x))), f"{kind} MLP forward after an SGD step")
     return sorted(grads)
 
+
+
+def embedding_styles(rank, world_size):
+    """RowwiseParallel (vocab-parallel: masked lookup, one all-reduce) and ColwiseParallel
+    (embedding dim split, output Shard(-1) gathered here with output_layouts=Replicate()) on the
+    framework's Embedding module: forward, the table's gradient, the forward after an SGD step."""
+    from hyper_parallel import ColwiseParallel, Replicate, RowwiseParallel, init_device_mesh, parallelize_module
+    fw = current()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    vocab, dim = 4 * world_size, 8
+    ids = t(np.random.RandomState(5).randint(0, vocab, (2, 5)).astype(np.int32))
+    w_out = inp("embout", 0, (2, 5, dim))
+    done = []
+    for style, table_split in ((RowwiseParallel(), 0), (ColwiseParallel(output_layouts=Replicate()), 1)):
+        ref = fw.embedding_module(vocab, dim)
+        (name, shape), = fw.parameter_shapes(ref).items()
+        table = inp("embtable", 0, shape)
+        fw.set_parameters(ref, {name: table})
+        emb = fw.embedding_module(vocab, dim)
+        fw.set_parameters(emb, {name: table})
+        parallelize_module(emb, mesh, style)
+        what = f"{type(style).__name__} embedding"
+        close(emb(ids), fw.numpy(ref(ids)), "forward " + what)
+        _, ref_grads = fw.grads_then_sgd(ref, lambda x: (ref(x) * t(w_out)).sum(), ids, lr=0.5, input_grad=False)
+        _, grads = fw.grads_then_sgd(emb, lambda x: (emb(x) * t(w_out)).sum(), ids, lr=0.5, input_grad=False)
+        close(grads[name], np.split(ref_grads[name], world_size, table_split)[rank], "table gradient " + what)
+        close(emb(ids), fw.numpy(ref(ids)), "forward after an SGD step " + what)
+        done.append(what)
+    return done

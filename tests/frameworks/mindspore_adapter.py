@@ -44,6 +44,10 @@ class MindSporeOps:
         return ops.cumsum(a, dim)
 
     @staticmethod
+    def embedding(ids, table):
+        return ops.gather(table, ids, 0)   # what nn.Embedding runs (mint's kernel is not on CPU)
+
+    @staticmethod
     def cumprod(a, dim):
         return ops.cumprod(a, dim)
 
@@ -141,12 +145,19 @@ class MindSporeAdapter:
             param.set_data(ms.Tensor(arrays[name]))
 
     @staticmethod
-    def grads_then_sgd(cell, loss_fn, x, lr):
+    def grads_then_sgd(cell, loss_fn, x, lr, input_grad=True):
         params = cell.trainable_params()
-        _, (dx, dw) = ms.value_and_grad(loss_fn, grad_position=0, weights=params)(x)
+        if input_grad:
+            _, (dx, dw) = ms.value_and_grad(loss_fn, grad_position=0, weights=params)(x)
+        else:
+            (_, dw), dx = ms.value_and_grad(loss_fn, grad_position=None, weights=params)(x), None
         grads = {p.name: g.asnumpy() for p, g in zip(params, dw)}
         ms.nn.SGD(params, learning_rate=lr)(dw)
-        return dx.asnumpy(), grads
+        return (dx.asnumpy() if input_grad else None), grads
+
+    @staticmethod
+    def embedding_module(vocab, dim):
+        return ms.nn.Embedding(vocab, dim)   # a Gather on its embedding_table
 
     # ------------------------------------------------------------------ framework-specific checks
     @staticmethod

@@ -40,6 +40,10 @@ class TorchOps:
         return torch.cumsum(a, dim)
 
     @staticmethod
+    def embedding(ids, table):
+        return F.embedding(ids, table)
+
+    @staticmethod
     def cumprod(a, dim):
         return torch.cumprod(a, dim)
 
@@ -142,15 +146,20 @@ class TorchAdapter:
                 p.copy_(torch.from_numpy(arrays[name]))
 
     @staticmethod
-    def grads_then_sgd(module, loss_fn, x, lr):
-        """The gradient of ``loss_fn(x)`` for ``x`` and for every parameter (this rank's local
-        value, by name), then one SGD step on the parameters."""
-        x = x.detach().clone().requires_grad_(True)
+    def grads_then_sgd(module, loss_fn, x, lr, input_grad=True):
+        """The gradient of ``loss_fn(x)`` for ``x`` (None without ``input_grad``, e.g. for token
+        ids) and for every parameter (this rank's local value, by name), then one SGD step on the
+        parameters."""
+        x = x.detach().clone().requires_grad_(True) if input_grad else x
         module.zero_grad()
         loss_fn(x).backward()
         grads = {name: _local(p.grad).numpy() for name, p in module.named_parameters()}
         torch.optim.SGD(module.parameters(), lr=lr).step()
-        return x.grad.numpy(), grads
+        return (x.grad.numpy() if input_grad else None), grads
+
+    @staticmethod
+    def embedding_module(vocab, dim):
+        return nn.Embedding(vocab, dim)
 
     # ------------------------------------------------------------------ framework-specific checks
     @staticmethod

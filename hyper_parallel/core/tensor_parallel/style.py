@@ -112,6 +112,10 @@ def _module_kind(module):
     return None
 
 
+def _embedding_weight(module):
+    return get_platform().embedding_weight_name(module)
+
+
 def _distribute_param(module, name, mesh, placement, src_data_rank):
     platform = get_platform()
     param = dict(platform.named_parameters(module)).get(name)
@@ -179,7 +183,7 @@ class ColwiseParallel(ParallelStyle):
             _distribute_param(module, "weight", device_mesh, Shard(0), self.src_data_rank)
             _distribute_param(module, "bias", device_mesh, Shard(0), self.src_data_rank)
         else:
-            _distribute_param(module, "weight", device_mesh, Shard(1), self.src_data_rank)
+            _distribute_param(module, _embedding_weight(module), device_mesh, Shard(1), self.src_data_rank)
         _install_io_hooks(module, device_mesh, self.input_layouts, Replicate(), self.output_layouts,
                           self.use_local_output)
         return module
@@ -209,7 +213,7 @@ class RowwiseParallel(ParallelStyle):
             _distribute_param(module, "bias", device_mesh, Replicate(), self.src_data_rank)
             input_layout, desired = self.input_layouts or Shard(-1), Shard(-1)
         else:
-            _distribute_param(module, "weight", device_mesh, Shard(0), self.src_data_rank)
+            _distribute_param(module, _embedding_weight(module), device_mesh, Shard(0), self.src_data_rank)
             input_layout, desired = self.input_layouts or Replicate(), Replicate()
         _install_io_hooks(module, device_mesh, input_layout, desired, self.output_layouts,
                           self.use_local_output)

@@ -302,6 +302,31 @@ TABLE["Dropout"] = _Entry("dropout", "dropout", lambda x, *a, **k: (meta.same(x)
                           _legacy_dropout)
 
 
+def _embedding_shape(ids, weight, *args, **kwargs):
+    return meta.MetaTensor(tuple(ids.shape) + (weight.shape[1],), weight.dtype)
+
+
+def _gather_as_embedding(args, kwargs):
+    """Gather(params, indices, axis[, batch_dims]) with axis 0 of a 2-D table is an embedding
+    lookup (what nn.Embedding and ops.gather(table, ids, 0) do; mint's Embedding kernel is not on
+    CPU): embedding(ids, weight). Other gathers have no rule."""
+    params, indices = args[0], args[1]
+    axis = args[2] if len(args) > 2 else kwargs.get("axis", 0)
+    batch_dims = args[3] if len(args) > 3 else kwargs.get("batch_dims", 0)
+    if getattr(params, "ndim", 0) != 2 or axis not in (0, -2) or batch_dims:
+        return None
+    rest = tuple(args[2:])
+
+    def runner(invoke, ids, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+               sparse=False):
+        # the rule passes torch's F.embedding arguments; a Gather never has a padding_idx to pass on
+        return invoke(weight, ids, *rest)
+    return (indices, params), {}, "embedding", runner, rest, _embedding_shape
+
+
+TABLE["Gather"] = _Entry("embedding", "embedding", _embedding_shape, _gather_as_embedding)
+
+
 def lookup(name):
     return TABLE.get(name)
 

@@ -60,6 +60,7 @@ class MindSporePlatform(Platform):
             ms.set_device(ms.get_context("device_target"), int(local_rank))
 
     def synchronize(self):
+        _pynative_executor.sync()  # PyNative queues ops asynchronously, on CPU too: wait for them
         if self.device_type != "cpu":
             ms.runtime.synchronize()
 
@@ -302,6 +303,10 @@ class MindSporePlatform(Platform):
     def is_embedding(module):
         classes = (ms.nn.Embedding,) + ((mint.nn.Embedding,) if hasattr(mint.nn, "Embedding") else ())
         return isinstance(module, classes)
+
+    @staticmethod
+    def embedding_weight_name(module):
+        return "embedding_table" if isinstance(module, ms.nn.Embedding) else "weight"
 
     @staticmethod
     def named_children(module):
