@@ -21,23 +21,6 @@ TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
 # ============================================================================ helpers (run on ranks)
-def _groups(world_size):
-    """Rank tuples to test on, in the order every rank creates them: the world, then disjoint
-    sub-groups that together cover every rank (odd sizes where the world allows)."""
-    extra = {2: [(0,), (1,)], 4: [(1, 3), (0, 2)], 8: [(2, 5, 7), (0, 1, 3, 4, 6)]}
-    return [tuple(range(world_size))] + extra.get(world_size, [])
-
-
-def _my_groups(platform, rank, world_size):
-    """(ranks, group) for each group this rank belongs to; every rank creates every group."""
-    mine = []
-    for ranks in _groups(world_size):
-        group = platform.new_group(ranks)
-        if rank in ranks:
-            mine.append((ranks, group))
-    return mine
-
-
 def _inp(tag, global_rank, shape):
     """The deterministic input of ``global_rank`` for check ``tag``."""
     import torch
@@ -64,15 +47,6 @@ def _close(actual, expected, what):
     assert tuple(actual.shape) == tuple(expected.shape), \
         f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
     torch.testing.assert_close(actual, expected, **TOL, msg=lambda m: f"{what}: {m}")
-
-
-def _call(fn, *args, async_op, **kwargs):
-    from hyper_parallel.platform import AsyncHandle
-    result = fn(*args, async_op=async_op, **kwargs)
-    if async_op:
-        assert isinstance(result, AsyncHandle), f"async_op=True returned {type(result)}"
-        result = result.wait()
-    return result
 
 
 def _reduce(stacked, op):
@@ -215,7 +189,7 @@ def _check_differentiable(platform, ranks, group, rank):
 def _differentiable_case(rank, world_size):
     from hyper_parallel.platform import get_platform
     platform = get_platform()
-    return [ranks for ranks, group in _my_groups(platform, rank, world_size)
+    return [ranks for ranks, group in neutral.my_groups(platform, rank, world_size)
             if _check_differentiable(platform, ranks, group, rank)]
 
 
@@ -225,7 +199,7 @@ def test_torch_gradient_layouts(world_size):
     they reach it), tied max/min winners, a replicated loss (backward="identity")."""
     checked = run_dist(world_size, _differentiable_case)
     for rank, groups in enumerate(checked):
-        assert groups == [g for g in _groups(world_size) if rank in g]
+        assert groups == [g for g in neutral.groups_for(world_size) if rank in g]
 
 
 # ============================================================================ communication accounting
@@ -245,7 +219,7 @@ def _observer_case(rank, world_size):
 
     platform.add_comm_observer(observer)
     try:
-        for ranks, group in _my_groups(platform, rank, world_size):
+        for ranks, group in neutral.my_groups(platform, rank, world_size):
             n, i = len(ranks), ranks.index(rank)
             if n == 1:
                 assert recorded(lambda: platform.all_gather(torch.ones(3), group)) == []

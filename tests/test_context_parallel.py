@@ -26,20 +26,19 @@ UL, AG, LB = {"ulysses_degree": None}, {"ulysses_degree": 1}, {"ulysses_degree":
 
 # ============================================================================ attention modules
 def _attention_module(kind="sdpa", layout="bshd"):
-    """A core-attention module ``forward(q, k, v, mask=None, causal=False, depth=0, boom=False)``.
-
-    ``sdpa``: F.scaled_dot_product_attention. ``matmul``: plain q @ kᵀ / softmax / @ v, with the
-    causal mask built from the global lengths q.shape / k.shape (what users write). GQA (fewer
-    k/v heads) is passed to sdpa as enable_gqa / repeated for matmul. ``depth`` > 0 calls the
-    module itself first (recursion) and attends with its output as the queries; ``boom`` raises
-    inside forward, after the inputs were distributed. ``seen`` records the q each call got."""
-    import torch
+    """A core-attention module ``forward(q, k, v, mask=None, causal=False, depth=0, boom=False)``:
+    the neutral cases' attention (tests/frameworks/torch_adapter.py: SDPA or matmul/softmax with
+    the causal mask built from the global lengths, GQA) plus what the torch-only checks need.
+    ``depth`` > 0 calls the module itself first (recursion) and attends with its output as the
+    queries; ``boom`` raises inside forward, after the inputs were distributed. ``seen`` records
+    the q each call got."""
     import torch.nn as nn
-    import torch.nn.functional as F
+    from tests.frameworks.torch_adapter import TorchAdapter
 
     class Attention(nn.Module):
         def __init__(self):
             super().__init__()
+            self.core = TorchAdapter.attention(kind, layout)
             self.seen = []
 
         def forward(self, q, k, v, mask=None, causal=False, depth=0, boom=False):
@@ -49,25 +48,7 @@ def _attention_module(kind="sdpa", layout="bshd"):
                 raise RuntimeError("boom")
             if hasattr(q, "placements"):
                 self.seen.append((tuple(q.placements), q.to_local().detach().clone()))
-            if layout == "bshd":
-                q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            gqa = q.shape[-3] != k.shape[-3]
-            if kind == "sdpa":
-                extra = {"enable_gqa": True} if gqa else {}
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **extra)
-            else:
-                if gqa:
-                    rep = q.shape[-3] // k.shape[-3]
-                    k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
-                scores = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5)
-                if causal:
-                    sq, sk = q.shape[-2], k.shape[-2]
-                    allowed = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)
-                    scores = scores.masked_fill(~allowed, float("-inf"))
-                if mask is not None:
-                    scores = scores.masked_fill(~mask, float("-inf"))
-                o = scores.softmax(-1) @ v
-            return o.transpose(1, 2) if layout == "bshd" else o
+            return self.core(q, k, v, mask=mask, causal=causal)
 
     return Attention()
 
@@ -110,6 +91,13 @@ def _block(t, dim, index, parts):
 
 def _leaf(t):
     return t.detach().clone().requires_grad_(True)
+
+
+def _sum_over_ranks(t, group=None):
+    import torch.distributed as dist
+    t = t.clone()
+    dist.all_reduce(t, group=group)
+    return t
 
 
 def _cp_mesh(world):

@@ -21,7 +21,8 @@ def groups_for(world_size):
     return [tuple(range(world_size))] + extra.get(world_size, [])
 
 
-def _my_groups(platform, rank, world_size):
+def my_groups(platform, rank, world_size):
+    """(ranks, group) for each group this rank belongs to; every rank creates every group."""
     mine = []
     for ranks in groups_for(world_size):
         group = platform.new_group(ranks)
@@ -175,7 +176,7 @@ def raw_collectives(rank, world_size):
     from hyper_parallel.platform import get_platform
     platform = get_platform()
     checked = []
-    for ranks, group in _my_groups(platform, rank, world_size):
+    for ranks, group in my_groups(platform, rank, world_size):
         me = ranks.index(rank)
         assert platform.group_ranks(group) == ranks
         assert platform.get_rank(group) == me and platform.get_world_size(group) == len(ranks)
@@ -195,7 +196,7 @@ def differentiable_collectives(rank, world_size):
     from hyper_parallel.platform import get_platform
     platform = get_platform()
     checked = []
-    for ranks, group in _my_groups(platform, rank, world_size):
+    for ranks, group in my_groups(platform, rank, world_size):
         n, me, tag = len(ranks), ranks.index(rank), f"{ranks}"
 
         def weights(name, shape):
