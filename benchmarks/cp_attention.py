@@ -1,24 +1,27 @@
 """Context-parallel attention benchmark: ``python -m benchmarks.cp_attention``.
 
-With no launcher environment it spawns ``--nproc`` local CPU ranks (gloo); under torchrun it uses
-the launched world (``HP_PLATFORM=npu`` for Ascend). For every mode and a single-device reference
-it prints forward and forward+backward time (median), bytes sent per rank (counted) beside the
-closed form, peak memory per rank, max error of the output and input gradients against the
-reference, and causal work imbalance. Exit status 1 if any mode's error exceeds the tolerance.
+With no launcher environment it starts ``--nproc`` local CPU ranks itself (torch: spawned gloo
+ranks; ``HP_PLATFORM=mindspore``: a MindSpore scheduler and worker processes); under torchrun or
+msrun it uses the launched world (``HP_PLATFORM=npu`` for Ascend). For every mode and a
+single-device reference it prints forward and forward+backward time (median), bytes sent per rank
+(counted) beside the closed form, peak memory per rank, max error of the output and input
+gradients against the reference, and causal work imbalance. Exit status 1 if any mode's error
+exceeds the tolerance, 2 if the configuration cannot run on this framework.
 """
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
+
+import numpy as np
 
 TOLERANCE = {"float32": 1e-4, "float64": 1e-8, "bfloat16": 3e-2, "float16": 5e-3}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.cp_attention", description=__doc__.split("\n")[0])
-    p.add_argument("--nproc", type=int, default=4, help="local ranks to spawn without a launcher")
+    p.add_argument("--nproc", type=int, default=4, help="local ranks to start without a launcher")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=2048, help="global sequence length")
     p.add_argument("--heads", type=int, default=8)
@@ -38,72 +41,65 @@ def parse_args(argv=None):
     return args
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None):
+    from benchmarks import cp_launch
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return run_rank(args)
-    import torch.multiprocessing as mp
-    port = _free_port()
-    print(f"spawning {args.nproc} local ranks (no launcher environment found)", file=sys.stderr, flush=True)
-    context = mp.start_processes(_spawned, args=(args, port), nprocs=args.nproc, join=False, start_method="spawn")
+    platform = cp_launch.platform_name()
+    role = cp_launch.role(platform)
+    if role == "launcher":
+        return cp_launch.start_ranks(platform, args, argv)
+    if role == "scheduler":
+        return cp_launch.as_child(cp_launch.run_scheduler)
+    return cp_launch.as_child(lambda: rank_main(args))
+
+
+def rank_main(args):
+    """One rank's run; a configuration the framework cannot run is exit status 2, with the reason."""
+    from benchmarks.cp_frameworks import UnsupportedConfig
     try:
-        while not context.join():
-            pass
-    except Exception as exc:  # a rank failed or exited non-zero
-        print(f"benchmark failed: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _spawned(rank, args, port):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    code = run_rank(args)
-    if code:
-        sys.exit(code)
+        return run_rank(args)
+    except UnsupportedConfig as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
 
 
 # ----------------------------------------------------------------------------------------- one rank
 def run_rank(args):
-    import torch
+    from benchmarks.cp_frameworks import framework_ops
     from benchmarks.cp_modes import MODES
-    from benchmarks.cp_report import header, plot, table, write_json
+    from benchmarks.cp_report import format_notes, header, notes, plot, table, write_json
     from hyper_parallel import init_device_mesh
     from hyper_parallel.platform import get_platform
 
     platform = get_platform()
+    fw = framework_ops(platform, args.dtype)
+    fw.check_dtype()  # before joining the world: a dtype without kernels fails fast, named
     platform.init_process_group()
     rank, world = platform.get_rank(), platform.get_world_size()
-    if platform.device_type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    fw.set_threads(world)
     mesh = init_device_mesh(platform.device_type, (world,))
-    args.dtype_obj = getattr(torch, args.dtype)
     lead = rank == 0
     if lead:
         print(header(args, world, platform.name, platform.capabilities()), flush=True)
 
-    modes = [m for m in MODES if args.modes == "all" or m.name in args.modes.split(",")]
-    modes += _peers(args) if args.compare else []
-    bench = _Bench(args, mesh, platform)
+    peers, no_peers = _peers(args, fw)
+    modes = [m for m in MODES if args.modes == "all" or m.name in args.modes.split(",")] + peers
+    bench = _Bench(args, mesh, platform, fw)
     rows = [bench.reference()]
     for i, mode in enumerate(modes):
         if lead:
             print(f"[{i + 1}/{len(modes)}] {mode.name} ...", file=sys.stderr, flush=True)
         rows.append(bench.run(mode))
+    rows += no_peers
     sweep = bench.sweep(modes) if args.sweep else []
     failed = [r["mode"] for r in rows if not r.get("skipped") and not r["ok"]]
     if lead:
-        print(table(rows), flush=True)
+        remarks = notes(rows, platform.capabilities(), fw)
+        print("\n".join([table(rows)] + format_notes(remarks)), flush=True)
         payload = {"title": f"CP attention, world {world}, S={args.seq}", "world": world,
-                   "platform": platform.name, "capabilities": platform.capabilities(),
-                   "config": {k: v for k, v in vars(args).items() if k != "dtype_obj"}, "rows": rows,
-                   "sweep": sweep, "tolerance": TOLERANCE[args.dtype]}
+                   "platform": platform.name, "capabilities": platform.capabilities(), "config": vars(args),
+                   "rows": rows, "notes": remarks, "sweep": sweep, "tolerance": TOLERANCE[args.dtype]}
         if args.json:
             write_json(args.json, payload)
         if args.plot:
@@ -114,36 +110,62 @@ def run_rank(args):
     return 1 if failed else 0
 
 
-def _peers(args):
+def _peers(args, fw):
+    """``--compare``: (peer modes, []) on torch; elsewhere ([], [a skipped row saying why])."""
+    if not args.compare:
+        return [], []
+    if fw.name != "torch":
+        return [], [{"mode": "--compare peers", "skipped": "the peers (DeepSpeed, PyTorch DTensor and ring) "
+                                                           f"are torch-only; platform is {fw.name}"}]
     from benchmarks.cp_peers import available_peers
-    return available_peers(args)
+    return available_peers(args), []
 
 
 class _Bench:
-    def __init__(self, args, mesh, platform):
-        import torch
-        self.torch, self.args, self.mesh, self.platform = torch, args, mesh, platform
+    """Runs the reference and each mode on this rank; every number in a row is agreed across ranks."""
+
+    def __init__(self, args, mesh, platform, fw):
+        self.args, self.mesh, self.platform, self.fw = args, mesh, platform, fw
         self.world, self.rank = mesh.size(), mesh.get_local_rank()
         self._make_inputs(args.seq)
 
     def _make_inputs(self, seq):
-        torch, a = self.torch, self.args
-        gen = torch.Generator().manual_seed(0)
-        device = self.platform.device()
+        a = self.args
+        rng = np.random.RandomState(0)  # numpy, so that every framework sees the same numbers
         shape_q, shape_kv = (a.batch, seq, a.heads, a.head_dim), (a.batch, seq, a.kv_heads, a.head_dim)
-        self.full = [torch.randn(s, generator=gen).to(device=device, dtype=a.dtype_obj)
+        self.full = [self.fw.tensor(rng.standard_normal(s).astype(np.float32))
                      for s in (shape_q, shape_kv, shape_kv)]
-        self.grad_out = torch.randn(shape_q, generator=gen).to(device=device, dtype=a.dtype_obj)
+        self.grad_out = self.fw.tensor(rng.standard_normal(shape_q).astype(np.float32))
         self.seq = seq
         self.ref = None
 
     def _block(self, t):
         L = self.seq // self.world
-        return t.narrow(1, self.rank * L, L)
+        return self.fw.block(t, 1, self.rank * L, L)
 
     def _reduce(self, value, op):
-        out = self.platform.all_reduce(self.torch.tensor([float(value)]), None, op)
-        return float(out.item())
+        """``value`` reduced over the ranks; None (not measurable here, on every rank) stays None."""
+        if value is None:
+            return None
+        out = self.platform.all_reduce(self.fw.scalar(value), None, op)
+        return float(self.fw.to_numpy(out)[0])
+
+    def _imbalance(self, mode):
+        work = self.fw.scalar(mode.causal_work(self.args, self.world, self.rank))
+        works = self.fw.to_numpy(self.platform.all_gather(work, None, 0))
+        return float(works.max() / works.min())
+
+    def _peak(self, fn, here=True):
+        """Peak bytes allocated while ``fn`` runs (0 where not ``here``), or None on every rank where
+        the framework cannot tell."""
+        if self.fw.peak_memory_unsupported:
+            return None
+        if not here:
+            return 0
+        with self.platform.track_peak_memory() as mem:
+            fn()
+            self.platform.synchronize()
+        return mem.peak_bytes
 
     def _time(self, fn):
         samples = []
@@ -152,102 +174,87 @@ class _Bench:
             self.platform.synchronize()
             start = time.perf_counter()
             fn()
-            self.platform.synchronize()
+            self.platform.synchronize()  # MindSpore (and accelerators) run ops asynchronously
             if i >= self.args.warmup:
                 samples.append((time.perf_counter() - start) * 1e3)
         return self._reduce(statistics.median(samples), "max")
 
-    def reference(self):
-        from benchmarks.cp_modes import Attention
-        torch, a = self.torch, self.args
-        module = Attention(a.causal, a.kv_heads != a.heads)
-        q, k, v = (t.detach().clone().requires_grad_() for t in self.full)
-        out = module(q, k, v)
-        out.backward(self.grad_out)
-        self.ref = (out.detach(), [t.grad for t in (q, k, v)])
-        fwd = fwd_bwd = 0.0
-        if self.rank == 0:  # one process alone, as on a single device
-            with torch.no_grad():
-                fwd = self._time_local(lambda: module(*self.full))
-            fwd_bwd = self._time_local(lambda: module(*[t.detach().requires_grad_() for t in self.full])
-                                       .backward(self.grad_out))
-            with self.platform.track_peak_memory() as mem:
-                module(*[t.detach().requires_grad_() for t in self.full]).backward(self.grad_out)
-        self.platform.barrier()
-        return {"mode": "reference (1 device)", "fwd_ms": self._reduce(fwd, "max"),
-                "fwd_bwd_ms": self._reduce(fwd_bwd, "max"), "bytes_fwd": 0, "bytes_fwd_bwd": 0, "formula_bytes": 0,
-                "peak_mem_bytes": self._reduce(mem.peak_bytes if self.rank == 0 else 0, "max"), "err_out": 0.0,
-                "err_grad": 0.0, "imbalance": 1.0, "ok": True}
-
-    def _time_local(self, fn):
+    def _time_alone(self, fn):
+        """Median ms of ``fn`` on rank 0 while the others wait (one barrier per iteration keeps every
+        wait short). Where waiting ranks would spin or time out (``fw.solo_timing_unsupported``)
+        every rank times its own copy at once instead, and the slowest counts."""
+        alone = not self.fw.solo_timing_unsupported
         samples = []
         for i in range(self.args.warmup + self.args.iters):
-            start = time.perf_counter()
-            fn()
-            if i >= self.args.warmup:
-                samples.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(samples)
+            if self.rank == 0 or not alone:
+                self.platform.synchronize()
+                start = time.perf_counter()
+                fn()
+                self.platform.synchronize()
+                if i >= self.args.warmup:
+                    samples.append((time.perf_counter() - start) * 1e3)
+            if alone:
+                self.platform.barrier()
+        return self._reduce(statistics.median(samples) if samples else 0.0, "max")
 
-    def run(self, mode, record=True):
+    def reference(self):
+        fw = self.fw
+        module = fw.attention(self.args.causal, self.args.kv_heads != self.args.heads)
+        self.ref = fw.forward_backward(module, self.full, self.grad_out)
+        # timed on one process alone where possible, as on a single device
+        fwd = self._time_alone(lambda: fw.forward(module, self.full))
+        fwd_bwd = self._time_alone(lambda: fw.forward_backward(module, self.full, self.grad_out))
+        peak = self._peak(lambda: fw.forward_backward(module, self.full, self.grad_out), here=self.rank == 0)
+        self.platform.barrier()
+        return {"mode": "reference (1 device)", "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "bytes_fwd": 0,
+                "bytes_fwd_bwd": 0, "formula_bytes": 0, "peak_mem_bytes": self._reduce(peak, "max"),
+                "err_out": 0.0, "err_grad": 0.0, "imbalance": 1.0, "ok": True}
+
+    def run(self, mode):
         from hyper_parallel.core.comm_mode import CommDebugMode
-        torch, a = self.torch, self.args
-        why_not = mode.supported(a, self.world)
+        fw, a = self.fw, self.args
+        why_not = mode.supported(a, self.world, fw)
         if why_not:
             return {"mode": mode.name, "skipped": why_not}
-        attn = mode.build(a, self.mesh)
-        blocks = [self._block(t).contiguous() for t in self.full]
-        grad_block = self._block(self.grad_out).contiguous()
+        attn = mode.build(a, self.mesh, fw)
+        blocks = [self._block(t) for t in self.full]
+        grad_block = self._block(self.grad_out)
 
         def forward_backward():
-            inputs = [t.detach().requires_grad_() for t in blocks]
-            out = attn(*inputs)
-            out.backward(grad_block)
-            return out, inputs
+            return fw.forward_backward(attn, blocks, grad_block)
 
         with CommDebugMode() as comm:
-            out = attn(*[t.detach().requires_grad_() for t in blocks])
+            out = fw.forward(attn, blocks)
         sent_fwd = sum(b for op, b in comm.get_comm_bytes().items() if op != "shape_check")
         if getattr(mode, "forward_only", False):
             return self._run_forward_only(mode, attn, blocks, out, sent_fwd)
         with CommDebugMode() as comm:
-            out, inputs = forward_backward()
+            out, grads = forward_backward()
         sent_all = sum(b for op, b in comm.get_comm_bytes().items() if op != "shape_check")
         ref_out, ref_grads = self.ref
-        err_out = (out.detach().float() - self._block(ref_out).float()).abs().max().item()
-        err_grad = max((t.grad.float() - self._block(g).float()).abs().max().item()
-                       for t, g in zip(inputs, ref_grads))
-        with self.platform.track_peak_memory() as mem:
-            forward_backward()
-        with torch.no_grad():
-            fwd = self._time(lambda: attn(*blocks))
+        err_out = fw.max_abs_diff(out, self._block(ref_out))
+        err_grad = max(fw.max_abs_diff(g, self._block(r)) for g, r in zip(grads, ref_grads))
+        peak = self._peak(forward_backward)
+        fwd = self._time(lambda: fw.forward(attn, blocks))
         fwd_bwd = self._time(forward_backward)
-        work = self.torch.tensor([mode.causal_work(a, self.world, self.rank)])
-        works = self.platform.all_gather(work, None, 0)
         err_out, err_grad = self._reduce(err_out, "max"), self._reduce(err_grad, "max")
-        element = self.full[0].element_size()
         return {"mode": mode.name, "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd,
                 "bytes_fwd": self._reduce(sent_fwd, "max"), "bytes_fwd_bwd": self._reduce(sent_all, "max"),
-                "formula_bytes": mode.formula_elements(a, self.world) * element,
-                "peak_mem_bytes": self._reduce(mem.peak_bytes, "max"), "err_out": err_out, "err_grad": err_grad,
-                "imbalance": float(works.max() / works.min()),
-                "ok": max(err_out, err_grad) <= TOLERANCE[a.dtype]}
+                "formula_bytes": mode.formula_elements(a, self.world) * fw.element_size(),
+                "peak_mem_bytes": self._reduce(peak, "max"), "err_out": err_out, "err_grad": err_grad,
+                "imbalance": self._imbalance(mode), "ok": max(err_out, err_grad) <= TOLERANCE[a.dtype]}
 
     def _run_forward_only(self, mode, attn, blocks, out, sent_fwd):
         """A row for a peer that has no backward here: forward time, bytes, memory and error only."""
-        torch, a = self.torch, self.args
-        err_out = (out.detach().float() - self._block(self.ref[0]).float()).abs().max().item()
-        with torch.no_grad():
-            with self.platform.track_peak_memory() as mem:
-                attn(*blocks)
-            fwd = self._time(lambda: attn(*blocks))
-        work = self.torch.tensor([mode.causal_work(a, self.world, self.rank)])
-        works = self.platform.all_gather(work, None, 0)
-        err_out = self._reduce(err_out, "max")
+        fw, a = self.fw, self.args
+        err_out = self._reduce(fw.max_abs_diff(out, self._block(self.ref[0])), "max")
+        peak = self._peak(lambda: fw.forward(attn, blocks))
+        fwd = self._time(lambda: fw.forward(attn, blocks))
         return {"mode": f"{mode.name} (fwd only)", "fwd_ms": fwd, "fwd_bwd_ms": None,
                 "bytes_fwd": self._reduce(sent_fwd, "max"), "bytes_fwd_bwd": None,
-                "formula_bytes": mode.formula_elements(a, self.world) * self.full[0].element_size(),
-                "peak_mem_bytes": self._reduce(mem.peak_bytes, "max"), "err_out": err_out, "err_grad": None,
-                "imbalance": float(works.max() / works.min()), "ok": err_out <= TOLERANCE[a.dtype]}
+                "formula_bytes": mode.formula_elements(a, self.world) * fw.element_size(),
+                "peak_mem_bytes": self._reduce(peak, "max"), "err_out": err_out, "err_grad": None,
+                "imbalance": self._imbalance(mode), "ok": err_out <= TOLERANCE[a.dtype]}
 
     def sweep(self, modes):
         points = []
@@ -265,4 +272,6 @@ class _Bench:
 
 
 if __name__ == "__main__":
+    if not __package__:  # run as a file (msrun takes a script path): make ``benchmarks`` importable
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.exit(main())

@@ -5,32 +5,16 @@
   the yardstick for the framework's own overhead.
 
 Each mode also knows its closed-form communication volume (SPEC §8) and the causal work each
-rank's kernel does (for the imbalance column).
+rank's kernel does (for the imbalance column). Tensors are reached only through the framework
+adapter (``cp_frameworks``), so the same modes run on torch and on MindSpore.
 """
 from dataclasses import dataclass
 from typing import Callable
-
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from hyper_parallel import ContextParallel
 from hyper_parallel.platform import get_platform
 
 SEQ, HEAD = 1, 2  # BSHD
-
-
-class Attention(nn.Module):
-    """Core attention on BSHD tensors."""
-
-    def __init__(self, causal, gqa):
-        super().__init__()
-        self.causal, self.gqa = causal, gqa
-
-    def forward(self, q, k, v):
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        extra = {"enable_gqa": True} if self.gqa else {}
-        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, **extra).transpose(1, 2)
 
 
 @dataclass
@@ -41,8 +25,8 @@ class Mode:
     raw: bool
     kv_exchange: str = "allgather"
 
-    def supported(self, cfg, world):
-        """None if this mode runs at this size, else why not."""
+    def supported(self, cfg, world, fw):
+        """None if this mode runs at this size on the framework adapter ``fw``, else why not."""
         ds = world if self.ulysses is None else self.ulysses
         if world % ds or self.name.startswith("hybrid") != (1 < ds < world) or (self.kv_exchange == "ring" and
                                                                                 ds == world):
@@ -53,10 +37,10 @@ class Mode:
             return f"seq {cfg.seq} not divisible into {2 * world if self.load_balance else world} blocks"
         return None
 
-    def build(self, cfg, mesh) -> Callable:
+    def build(self, cfg, mesh, fw) -> Callable:
         if self.raw:
-            return RAW[self.name.replace(" (raw)", "")](cfg, mesh)
-        module = Attention(cfg.causal, cfg.kv_heads != cfg.heads)
+            return RAW[self.name.replace(" (raw)", "")](cfg, mesh, fw)
+        module = fw.attention(cfg.causal, cfg.kv_heads != cfg.heads)
         ContextParallel(seq_dim=SEQ, head_dim=HEAD, ulysses_degree=self.ulysses,
                         load_balance=self.load_balance, kv_exchange=self.kv_exchange).apply(module, mesh)
         return module
@@ -111,49 +95,40 @@ MODES = [
 
 
 # ---------------------------------------------------------------------------------------- raw forms
-def _sdpa_bshd(q, k, v, causal, gqa, mask=None):
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    extra = {"enable_gqa": True} if gqa else {}
-    if mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **extra).transpose(1, 2)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **extra).transpose(1, 2)
-
-
-def _offset_attention(q, k, v, row_start, causal, gqa):
+def _offset_attention(fw, q, k, v, row_start, causal, gqa):
     """Query rows [row_start, row_start+L) against all keys, global causal mask."""
     if not causal:
-        return _sdpa_bshd(q, k, v, False, gqa)
+        return fw.sdpa(q, k, v, False, gqa)
     rows = q.shape[SEQ]
     visible = row_start + rows
     k, v = k[:, :visible], v[:, :visible]
     if row_start == 0:
-        return _sdpa_bshd(q, k, v, True, gqa)
-    mask = torch.arange(visible).unsqueeze(0) <= (torch.arange(rows) + row_start).unsqueeze(1)
-    return _sdpa_bshd(q, k, v, False, gqa, mask)
+        return fw.sdpa(q, k, v, True, gqa)
+    return fw.sdpa(q, k, v, False, gqa, fw.causal_mask(rows, visible, row_start))
 
 
-def raw_ulysses(cfg, mesh):
+def raw_ulysses(cfg, mesh, fw):
     platform, group = get_platform(), mesh.get_group(0)
     gqa = cfg.kv_heads != cfg.heads
 
     def run(q, k, v):
         q, k, v = (platform.differentiable_all_to_all(t, group, HEAD, SEQ) for t in (q, k, v))
-        out = _sdpa_bshd(q, k, v, cfg.causal, gqa)
+        out = fw.sdpa(q, k, v, cfg.causal, gqa)
         return platform.differentiable_all_to_all(out, group, SEQ, HEAD)
     return run
 
 
-def raw_allgather(cfg, mesh):
+def raw_allgather(cfg, mesh, fw):
     platform, group = get_platform(), mesh.get_group(0)
     rank, gqa = mesh.get_local_rank(0), cfg.kv_heads != cfg.heads
 
     def run(q, k, v):
         k, v = (platform.differentiable_all_gather(t, group, SEQ) for t in (k, v))
-        return _offset_attention(q, k, v, rank * q.shape[SEQ], cfg.causal, gqa)
+        return _offset_attention(fw, q, k, v, rank * q.shape[SEQ], cfg.causal, gqa)
     return run
 
 
-def raw_allgather_lb(cfg, mesh):
+def raw_allgather_lb(cfg, mesh, fw):
     platform, group = get_platform(), mesh.get_group(0)
     P, rank, gqa = mesh.size(), mesh.get_local_rank(0), cfg.kv_heads != cfg.heads
     partner = mesh.group_ranks(0)[P - 1 - rank]
@@ -164,16 +139,16 @@ def raw_allgather_lb(cfg, mesh):
 
     def run(q, k, v):
         k, v = (platform.differentiable_all_gather(t, group, SEQ) for t in (k, v))
-        head, second = q.chunk(2, SEQ)
+        head, second = fw.chunk(q, 2, SEQ)
         tail = swap(second)
         c = head.shape[SEQ]
-        out_head = _offset_attention(head, k, v, 2 * rank * c, cfg.causal, gqa)
-        out_tail = _offset_attention(tail, k, v, (2 * P - 1 - 2 * rank) * c, cfg.causal, gqa)
-        return torch.cat([out_head, swap(out_tail)], SEQ)
+        out_head = _offset_attention(fw, head, k, v, 2 * rank * c, cfg.causal, gqa)
+        out_tail = _offset_attention(fw, tail, k, v, (2 * P - 1 - 2 * rank) * c, cfg.causal, gqa)
+        return fw.cat([out_head, swap(out_tail)], SEQ)
     return run
 
 
-def raw_hybrid(cfg, mesh):
+def raw_hybrid(cfg, mesh, fw):
     platform = get_platform()
     ds = 2
     grid = mesh._unflatten(0, (mesh.size() // ds, ds), ("co", "ds"))
@@ -183,7 +158,7 @@ def raw_hybrid(cfg, mesh):
     def run(q, k, v):
         q, k, v = (platform.differentiable_all_to_all(t, ds_group, HEAD, SEQ) for t in (q, k, v))
         k, v = (platform.differentiable_all_gather(t, co_group, SEQ) for t in (k, v))
-        out = _offset_attention(q, k, v, co_rank * q.shape[SEQ], cfg.causal, gqa)
+        out = _offset_attention(fw, q, k, v, co_rank * q.shape[SEQ], cfg.causal, gqa)
         return platform.differentiable_all_to_all(out, ds_group, SEQ, HEAD)
     return run
 

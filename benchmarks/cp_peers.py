@@ -1,5 +1,5 @@
-"""Peer implementations for ``--compare``: added when they can run here, skipped cleanly (with the
-reason printed) otherwise.
+"""Peer implementations for ``--compare`` (torch only): added when they can run here, skipped
+cleanly (with the reason printed) otherwise.
 
 * ``deepspeed-ulysses``: DeepSpeed's DistributedAttention (all-to-all around local attention).
 * ``torch-dtensor-ulysses``: PyTorch DTensor redistribute Shard(seq) -> Shard(head) around SDPA.
@@ -31,7 +31,7 @@ class PeerMode(Mode):
     formula_as: str = "ulysses"      # the MODES row whose closed form (SPEC §8) and causal work apply
     forward_only: bool = False
 
-    def build(self, cfg, mesh):
+    def build(self, cfg, mesh, fw=None):
         return self.factory(cfg, mesh)
 
     def _like(self):

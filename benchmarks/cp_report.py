@@ -1,5 +1,6 @@
 """Printing, JSON and plots for the context-parallel benchmark."""
 import json
+import textwrap
 
 # (title, width, formatter)
 COLUMNS = [("mode", 20, str), ("fwd ms", 8, "{:.2f}".format), ("fwd+bwd ms", 10, "{:.2f}".format),
@@ -42,6 +43,32 @@ def table(rows):
         out.append(line([("-" if v is None else fmt(v)) if fmt else human_bytes(v)
                          for v, (_, _, fmt) in zip(values, COLUMNS)]))
     return "\n".join(out)
+
+
+def notes(rows, capabilities, fw):
+    """Lines printed under the table where its numbers need a word of explanation."""
+    out = []
+    emulated = sorted(k for k, v in capabilities.items() if str(v).startswith("emulated"))
+    above = [r["mode"] for r in rows if not r.get("skipped") and r.get("formula_bytes")
+             and r["bytes_fwd"] > r["formula_bytes"] * (1 + 1e-9)]
+    if above:
+        cause = (f"this platform emulates {', '.join(emulated)} with all-gather / all-reduce (see the "
+                 "header), which sends more than a native collective" if emulated
+                 else "more traffic than the plan needs")
+        out.append(f"note: sent/rank exceeds the formula (SPEC §8, native collectives) in "
+                   f"{', '.join(above)}: {cause}.")
+    if fw.solo_timing_unsupported:
+        out.append(f"note: reference timed on every rank at once, not on rank 0 alone: "
+                   f"{fw.solo_timing_unsupported}.")
+    if fw.peak_memory_unsupported:
+        out.append(f"note: peak mem not measured: {fw.peak_memory_unsupported}.")
+    return out
+
+
+def format_notes(lines):
+    """The notes wrapped to the table's width."""
+    width = sum(w for _, w, _ in COLUMNS) + len(COLUMNS) - 1
+    return [textwrap.fill(line, width, subsequent_indent="      ", break_on_hyphens=False) for line in lines]
 
 
 def write_json(path, payload):

@@ -58,3 +58,99 @@ def test_benchmark_fails_when_error_exceeds_tolerance(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "error above tolerance" in proc.stdout and "in: ulysses" in proc.stdout, proc.stdout[-2000:]
+
+
+# ------------------------------------------------------------------------------------------ MindSpore
+def _ms_env(extra_pythonpath=None):
+    """The environment for the benchmark under the MindSpore interpreter, as a user would start it:
+    HP_PLATFORM=mindspore and no launcher variables (it starts its scheduler and workers itself)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("MS_", "RANK", "WORLD_SIZE", "MASTER_", "LOCAL_RANK"))
+           and k not in ("PYTHONHOME", "VIRTUAL_ENV")}
+    paths = [p for p in (extra_pythonpath, ROOT, env.get("PYTHONPATH")) if p]
+    env.update(HP_PLATFORM="mindspore", PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1", GLOG_v="3")
+    return env
+
+
+def _run_ms(tmp_path, nproc, *extra, extra_pythonpath=None, timeout=240):
+    from tests.mindspore.harness import mindspore_python, require_mindspore
+    require_mindspore()
+    out = tmp_path / "bench.json"
+    cmd = [mindspore_python(), "-m", "benchmarks.cp_attention", "--nproc", str(nproc), "--seq", "64",
+           "--heads", "4", "--head-dim", "8", "--iters", "1", "--warmup", "0", "--json", str(out), *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_ms_env(extra_pythonpath), capture_output=True, text=True,
+                          timeout=timeout)
+    return proc, out
+
+
+def _leftover_processes(marker):
+    """Processes whose command line mentions ``marker`` (the run's tmp_path): orphaned ranks."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+# every mode family once (MindSpore is slow on 2 cores; the modes' correctness has its own tests)
+_MS_TWO = {"ulysses", "allgather", "allgather-lb", "ring-zigzag", "ulysses (raw)", "allgather-lb (raw)"}
+_MS_FOUR = {"hybrid", "hybrid (raw)"}  # what 4 ranks add
+
+
+@pytest.mark.mindspore
+@pytest.mark.parametrize("nproc, extra, expected", [
+    (2, ("--kv-heads", "2", "--no-causal", "--modes", ",".join(sorted(_MS_TWO | {"hybrid"}))), _MS_TWO),
+    (4, ("--modes", ",".join(sorted(_MS_FOUR))), _MS_FOUR),
+], ids=["2ranks-gqa-noncausal", "4ranks-causal-hybrid"])
+def test_benchmark_mindspore_json(tmp_path, nproc, extra, expected):
+    """HP_PLATFORM=mindspore under the MindSpore interpreter (no torch there): the launcher starts a
+    scheduler and the workers, every mode that MindSpore supports runs and matches the reference."""
+    proc, out = _run_ms(tmp_path, nproc, *extra)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    assert payload["platform"] == "mindspore" and payload["world"] == nproc
+    rows = {r["mode"]: r for r in payload["rows"]}
+    assert rows["reference (1 device)"]["ok"]
+    assert expected | {"reference (1 device)"} <= set(rows), sorted(rows)
+    for name in expected:
+        row = rows[name]
+        assert not row.get("skipped"), row
+        assert row["ok"] and max(row["err_out"], row["err_grad"]) <= payload["tolerance"], row
+        # emulated collectives (CPU) send at least the closed form, never less
+        assert row["bytes_fwd"] >= row["formula_bytes"] > 0, row
+        assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0
+        assert row["peak_mem_bytes"] is None, "MindSpore CPU has no allocator statistics"
+    if nproc == 2:
+        assert rows["allgather-lb"]["imbalance"] == pytest.approx(1.0)
+        # all-gather is native on MindSpore CPU: counted bytes equal SPEC §8 exactly
+        assert rows["allgather"]["bytes_fwd"] == pytest.approx(rows["allgather"]["formula_bytes"])
+        assert rows["allgather"]["imbalance"] == pytest.approx(1.0)  # not causal
+        assert "1 < 2 < world" in rows["hybrid"]["skipped"]
+    else:
+        assert rows["hybrid"]["imbalance"] == pytest.approx(2.0)
+    assert any("peak mem not measured" in n for n in payload["notes"])
+    assert "formula" in proc.stdout and "emulated collectives" in proc.stdout  # header and table printed
+    assert "[WARNING]" not in proc.stdout + proc.stderr  # MindSpore's log chatter is filtered
+
+
+@pytest.mark.mindspore
+def test_benchmark_mindspore_failing_rank_stops_the_run(tmp_path):
+    """One rank raising mid-run leaves the others blocked in a collective: the launcher must stop
+    them all and exit non-zero, promptly, leaving no process behind."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('MS_NODE_ID') == '1':\n"
+        "    import benchmarks.cp_attention as b\n"
+        "    def _fail(self, mode):\n"
+        "        raise RuntimeError('injected failure on rank 1')\n"
+        "    b._Bench.run = _fail\n")
+    proc, out = _run_ms(tmp_path, 2, "--modes", "ulysses", extra_pythonpath=str(tmp_path), timeout=180)
+    assert proc.returncode != 0
+    assert "injected failure on rank 1" in proc.stderr, proc.stderr[-3000:]
+    assert "rank 1 exited with code 1" in proc.stderr, proc.stderr[-3000:]
+    assert not out.exists()
+    assert _leftover_processes(str(tmp_path)) == []

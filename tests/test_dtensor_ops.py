@@ -596,11 +596,13 @@ def test_strict_dispatch_and_warn_once():
 
 
 # ============================================================================ on every framework
-@pytest.mark.parametrize("framework,world_size", framework_worlds(2, 4))
+@pytest.mark.parametrize("framework,world_size", framework_worlds(2, 4, mindspore=(2,)))
 def test_common_ops_on_every_framework(framework, world_size):
     """The operator surface both frameworks share (elementwise, matmul / bmm / linear, views,
     softmax, reductions, cat / split / indexing, dropout, casts, SDPA, cumsum), spelled with each
-    framework's own ops, every placement combination, forward and gradients (tests/cases/dtensor.py)."""
+    framework's own ops, every placement combination, forward and gradients (tests/cases/dtensor.py).
+    MindSpore runs it on 2 ranks (its op table does not depend on the world; uneven shards on 4
+    ranks are covered by the conversions test)."""
     counts = run_on(framework, world_size, neutral.ops_dispatch, timeout=280)
     assert counts[0] == counts[-1] and counts[0] >= 80
 

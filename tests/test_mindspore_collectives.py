@@ -7,6 +7,9 @@ from tests.mindspore import cases_collectives as cases
 from tests.mindspore.harness import require_mindspore, run_ms
 
 
+pytestmark = pytest.mark.mindspore
+
+
 @pytest.fixture(autouse=True)
 def _needs_mindspore():
     require_mindspore()

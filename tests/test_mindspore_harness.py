@@ -9,6 +9,9 @@ from tests.mindspore.harness import (MsDistFailure, kill_ms_pool, ms_pool_pids, 
                                      run_ms)
 
 
+pytestmark = pytest.mark.mindspore
+
+
 @pytest.fixture(autouse=True)
 def _needs_mindspore():
     require_mindspore()

@@ -11,6 +11,9 @@ from tests.mindspore import cases_platform as cases
 from tests.mindspore.harness import REPO, mindspore_python, require_mindspore, run_ms
 
 
+pytestmark = pytest.mark.mindspore
+
+
 @pytest.fixture(autouse=True)
 def _needs_mindspore():
     require_mindspore()

@@ -107,10 +107,15 @@ def check_projected(rank, world_size, mesh, style_kwargs, layout, kind, causal, 
     return what
 
 
-def cp_projected(rank, world_size):
-    """Every mode, both layouts and kernels, with q, k, v projected by Linear layers."""
+def modes_for(world_size):
+    """Every non-ring mode this world runs (hybrid needs 1 < ulysses_degree < world)."""
+    return [UL, AG, LB] + ([{"ulysses_degree": 2}] if world_size == 4 else [])
+
+
+def cp_projected(rank, world_size, modes=None):
+    """Each mode (default: all), both layouts and kernels, with q, k, v projected by Linear layers."""
     mesh = _cp_mesh(world_size)
-    modes = [UL, AG, LB] + ([{"ulysses_degree": 2}] if world_size == 4 else [])
+    modes = modes or modes_for(world_size)
     return [check_projected(rank, world_size, mesh, mode, layout, kind, True, S=4 * world_size)
             for mode in modes for layout, kind in (("bshd", "sdpa"), ("bnsd", "matmul"))]
 
@@ -128,14 +133,14 @@ def random_mask(S, seed=7):
     return (np.random.RandomState(seed).rand(S, S) < 0.6) | np.eye(S, dtype=bool)
 
 
-def cp_extras(rank, world_size):
+def cp_extras(rank, world_size, modes=None):
     """Explicit global masks (sliced to the local rows), GQA, DTensor in -> DTensor out with the
     same placements, and validation errors raised before any collective."""
     from hyper_parallel import ContextParallel, DTensor, Shard
     fw = current()
     mesh = _cp_mesh(world_size)
     S = 4 * world_size
-    modes = [UL, AG, LB] + ([{"ulysses_degree": 2}] if world_size == 4 else [])
+    modes = modes or modes_for(world_size)
     done = [check(rank, world_size, mesh, mode, "bshd", kind, False, S=S, mask=random_mask(S))
             for mode in modes for kind in ("sdpa", "matmul")]
     # GQA: 8 query heads on 4 k/v heads (Ulysses splits both)

@@ -58,9 +58,19 @@ def _mesh(world_size, shape=None, names=None):
 
 
 # ============================================================================ conversions
-def conversions(rank, world_size):
+def _pairs(layouts, every_pair):
+    """Every (src, dst) pair, or a covering sample: each layout is a source three times and a
+    destination three times, against varied partners (the 2x2 mesh has 196 pairs)."""
+    if every_pair:
+        return list(itertools.product(layouts, layouts))
+    n = len(layouts)
+    return [(layouts[i], layouts[(i + step) % n]) for i in range(n) for step in (0, 3, 7)]
+
+
+def conversions(rank, world_size, every_pair=True):
     """from_local / to_local / full_tensor / redistribute for every pair of placements, forward and
-    backward, on a 1-D mesh (even and uneven shapes) and, on 4 ranks, a 2x2 mesh (uneven shape)."""
+    backward, on a 1-D mesh (even and uneven shapes) and, on 4 ranks, a 2x2 mesh (uneven shape;
+    ``every_pair=False``: a covering sample of its pairs)."""
     from hyper_parallel import DTensor
     cases = 0
     meshes = [(_mesh(world_size), ["S0", "S1", "R", "P"])]
@@ -76,7 +86,7 @@ def conversions(rank, world_size):
         for shape in shapes:
             x = inp(f"conv{shape}", 0, shape)
             w = inp(f"convw{shape}", 0, shape)
-            for src_s, dst_s in itertools.product(layouts, layouts):
+            for src_s, dst_s in _pairs(layouts, every_pair or kinds is not None):
                 src, dst = _placements(src_s), _placements(dst_s)
                 what = f"{src_s}->{dst_s} {shape} on mesh {mesh.mesh_shape}"
                 local = local_piece(x, src, mesh)
