@@ -1,49 +1,18 @@
 """ContextParallel composed with tensor parallelism: q/k/v arrive head-sharded on a "tp" mesh."""
+import pytest
+
+from tests.cases import context_parallel as neutral
 from tests.harness import run_dist
-from tests.test_context_parallel import (AG, LAYOUTS, LB, UL, B, _attention_module, _block, _close, _leaf,
-                                         _qkv, _sum_over_ranks)
+from tests.harness.frameworks import FRAMEWORKS, run_on
+from tests.test_context_parallel import AG, LB, UL, B, _block, _close, _leaf, _sum_over_ranks
 
 
-def _tp_cp_case(rank, world):
-    """Root mesh ("cp", "tp") = (2, 2). q/k/v arrive as DTensors on mesh["tp"] with Shard(head)
-    whose global sequence is this CP rank's block; ContextParallel runs on mesh["cp"] and the
-    output comes back on mesh["tp"] with the same placements."""
-    from hyper_parallel import ContextParallel, DTensor, Shard, init_device_mesh
-
-    root = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
-    cp_mesh, tp_mesh = root["cp"], root["tp"]
-    c, t = cp_mesh.get_local_rank(), tp_mesh.get_local_rank()
-    S, H = 16, 8
-    for layout in LAYOUTS:
-        seq, head = LAYOUTS[layout]
-        for mode in (UL, AG, LB):
-            for kind, causal in (("sdpa", True), ("matmul", False)):
-                full_q, full_k, full_v, w = _qkv(layout, S, H)
-                ref_leaves = [_leaf(x) for x in (full_q, full_k, full_v)]
-                ref = _attention_module(kind, layout)(*ref_leaves, causal=causal)
-                (ref * w).sum().backward()
-
-                def mine(x):
-                    return _block(_block(x, seq, c, 2), head, t, 2)
-
-                leaves = [_leaf(mine(x)) for x in (full_q, full_k, full_v)]
-                dts = [DTensor.from_local(x, tp_mesh, [Shard(head)]) for x in leaves]
-                module = ContextParallel(seq_dim=seq, head_dim=head, **mode).apply(
-                    _attention_module(kind, layout), cp_mesh)
-                out = module(*dts, causal=causal)
-                what = f"TPxCP {layout} {mode} {kind} causal={causal}"
-                assert isinstance(out, DTensor), what
-                assert out.device_mesh == tp_mesh and tuple(out.placements) == (Shard(head),), \
-                    (what, out.device_mesh, out.placements)
-                _close(out.to_local(), mine(ref), f"out {what}")
-                (out.to_local() * mine(w)).sum().backward()
-                for name, leaf, ref_leaf in zip("qkv", leaves, ref_leaves):
-                    _close(leaf.grad, mine(ref_leaf.grad), f"d{name} {what}")
-    return True
-
-
-def test_tp_cp_composition():
-    assert run_dist(4, _tp_cp_case, timeout=600) == [True] * 4
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_tp_cp_composition(framework):
+    """q/k/v head-sharded on mesh["tp"], ContextParallel on mesh["cp"], every non-hybrid mode, both
+    layouts and kernels, on torch and MindSpore (tests/cases/context_parallel.py)."""
+    done = run_on(framework, 4, neutral.tp_cp, timeout=280)
+    assert [len(d) for d in done] == [12] * 4
 
 
 def _llama_attention(dim, heads, head_dim):

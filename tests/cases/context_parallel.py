@@ -162,3 +162,48 @@ def cp_extras(rank, world_size, modes=None):
     expect_error(ValueError, lambda: bad_heads(odd, odd, odd), "heads")
     expect_error(ValueError, lambda: ContextParallel(ulysses_degree=2, load_balance=True), "load_balance")
     return done
+
+
+def tp_cp(rank, world_size):
+    """Root mesh ("cp", "tp") = (2, 2). q/k/v arrive as DTensors on mesh["tp"] with Shard(head)
+    whose global sequence is this CP rank's block; ContextParallel runs on mesh["cp"] and the
+    output comes back on mesh["tp"] with the same placements: its local value and the local q/k/v
+    gradients equal the matching blocks of single-process attention."""
+    from hyper_parallel import ContextParallel, DTensor, Shard, init_device_mesh
+    fw = current()
+    root = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    cp_mesh, tp_mesh = root["cp"], root["tp"]
+    c, h = cp_mesh.get_local_rank(), tp_mesh.get_local_rank()
+    S, H = 16, 8
+    done = []
+    for layout, (seq, head) in LAYOUTS.items():
+        for mode in (UL, AG, LB):
+            for kind, causal in (("sdpa", True), ("matmul", False)):
+                q, k, v, w = (inp(f"tpcp{layout}{i}", 0, _shape(layout, S, H)) for i in range(4))
+                ref_attention = fw.attention(kind, layout)
+
+                def reference(a, b, d):
+                    return ref_attention(a, b, d, causal=causal)
+                ref_out = fw.numpy(reference(t(q), t(k), t(v)))
+                ref_grads = grad_of(lambda a, b, d: (reference(a, b, d) * t(w)).sum(), t(q), t(k), t(v))
+
+                def mine(x):
+                    return _block(_block(x, seq, c, 2), head, h, 2)
+                attention = fw.attention(kind, layout)
+                ContextParallel(seq_dim=seq, head_dim=head, **mode).apply(attention, cp_mesh)
+
+                def dist(a, b, d):
+                    dts = [DTensor.from_local(x, tp_mesh, [Shard(head)]) for x in (a, b, d)]
+                    return attention(*dts, causal=causal)
+                what = f"TPxCP {layout} {mode} {kind} causal={causal}"
+                out = dist(t(mine(q)), t(mine(k)), t(mine(v)))
+                assert isinstance(out, DTensor), what
+                assert out.device_mesh == tp_mesh and tuple(out.placements) == (Shard(head),), \
+                    (what, out.device_mesh, out.placements)
+                close(out.to_local(), mine(ref_out), "forward " + what)
+                grads = grad_of(lambda a, b, d: (dist(a, b, d).to_local() * t(mine(w))).sum(),
+                                t(mine(q)), t(mine(k)), t(mine(v)))
+                for name, g, ref in zip("qkv", grads, ref_grads):
+                    close(g, mine(fw.numpy(ref)), f"d{name} " + what)
+                done.append(what)
+    return done
