@@ -10,7 +10,7 @@ One pool per world size: a MindSpore scheduler (``MS_ROLE=MS_SCHED``) and ``worl
 10-60 s on a small machine) and reused for the rest of the session. Each worker initialises
 communication through ``hyper_parallel``'s MindSpore platform and then runs the cases sent to it:
 ``fn(rank, world_size, *args, **kwargs)``, where ``fn`` is a module-level function of a module the
-worker can import without torch or pytest (``tests/mindspore/cases_*.py``).
+worker can import without torch or pytest (``tests/cases/*.py``, ``tests/mindspore/cases_*.py``).
 
 Arguments and results cross between numpy 2 (pytest) and numpy 1 (workers), so they must be plain
 Python values (numbers, strings, lists, tuples, dicts); a worker converts MindSpore tensors and

@@ -102,8 +102,11 @@ class TorchPlatform(Platform):
     def get_rank(self, group=None):
         if group is None or group is dist.group.WORLD:
             return dist.get_rank()
-        # the position in the ranks the group was created with (torch numbers them ascending)
-        return self.group_ranks(group).index(dist.get_rank())
+        # the position in the ranks the group was created with (torch numbers them ascending);
+        # -1 outside the group, as torch says
+        ranks = self.group_ranks(group)
+        me = dist.get_rank()
+        return ranks.index(me) if me in ranks else -1
 
     def get_world_size(self, group=None):
         return dist.get_world_size(group)
