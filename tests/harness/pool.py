@@ -24,13 +24,13 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
 import time
 import traceback
 
+from tests.harness.processes import describe_exit, free_port
 from tests.harness.registry import PoolRegistry
 
 __all__ = ["run_dist", "DistTestFailure", "pool_pids", "kill_pool", "shutdown_pools"]
@@ -138,23 +138,6 @@ def _worker_main(rank, world_size, port, conn, sys_path, parent_pid, gloo_timeou
 
 
 # =============================================================================== parent side
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _describe_exit(code):
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
 def _fn_name(fn):
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
@@ -186,7 +169,7 @@ class _Pool:
 
     def _spawn(self):
         ctx = multiprocessing.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.tmpdir = tempfile.mkdtemp(prefix=f"hp_pool{self.world_size}_")
         self.procs, self.conns, self.stack_paths = [], [], []
         for rank in range(self.world_size):
@@ -345,7 +328,7 @@ class _Pool:
                 else:
                     lines.append(f"--- rank {rank}: raised\n{reply[1].rstrip()}")
             elif rank in dead:
-                lines.append(f"--- rank {rank}: died ({_describe_exit(dead[rank])}) without "
+                lines.append(f"--- rank {rank}: died ({describe_exit(dead[rank])}) without "
                              f"answering")
             else:
                 why = (f"timed out: no answer within {timeout:g} s" if not (dead or any(

@@ -29,13 +29,13 @@ import pickle
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 
+from tests.harness.processes import describe_exit, free_port
 from tests.harness.registry import PoolRegistry
 
 __all__ = ["run_ms", "MsDistFailure", "mindspore_python", "mindspore_unavailable_reason",
@@ -111,23 +111,6 @@ def _clean_env(extra):
     return env
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _describe_exit(code):
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
 def _tail(path, lines=25):
     try:
         with open(path, errors="replace") as f:
@@ -166,7 +149,7 @@ class _Pool:
         authkey = secrets.token_bytes(16)
         self.listener = mpc.Listener(("127.0.0.1", 0), authkey=authkey)
         control = "%s:%d" % self.listener.address
-        sched_port = _free_port()
+        sched_port = free_port()
         common = {"HP_PLATFORM": "mindspore", "HP_MS_CONTROL": control, "HP_MS_AUTHKEY": authkey.hex(),
                   "HP_MS_PARENT_PID": str(os.getpid()), "MS_WORKER_NUM": str(self.world_size),
                   "MS_SCHED_HOST": "127.0.0.1", "MS_SCHED_PORT": str(sched_port)}
@@ -344,7 +327,7 @@ class _Pool:
                          [r for r in dead if r != "sched"] + list(pending))
         lines.append(f"failing rank(s): {failing}")
         if "sched" in dead:
-            lines.append(f"--- scheduler: died ({_describe_exit(dead['sched'])})\n"
+            lines.append(f"--- scheduler: died ({describe_exit(dead['sched'])})\n"
                          f"{_tail(self.logs['sched'])}")
         for rank in range(self.world_size):
             if rank in replies:
@@ -354,7 +337,7 @@ class _Pool:
                 else:
                     lines.append(f"--- rank {rank}: raised\n{str(reply[1]).rstrip()}")
             elif rank in dead:
-                lines.append(f"--- rank {rank}: died ({_describe_exit(dead[rank])}) without answering; "
+                lines.append(f"--- rank {rank}: died ({describe_exit(dead[rank])}) without answering; "
                              f"the end of its log:\n{_tail(self.logs.get(rank, ''))}")
             else:
                 others_failed = bool(dead) or any(m[0] != ok_tag for m in replies.values())
