@@ -10,7 +10,7 @@ E, F, TOKENS = 8, 12, (2, 3)
 
 
 def colwise_rowwise(rank, world_size, kind):
-    """``kind``: the framework's Linear flavour (its adapter's MLP_KINDS). Returns the parameter
+    """``kind``: the framework's Linear flavour (see the adapter's ``mlp``). Returns the parameter
     names of the parallel MLP."""
     from hyper_parallel import ColwiseParallel, RowwiseParallel, init_device_mesh, parallelize_module
     from hyper_parallel.core.comm_mode import CommDebugMode

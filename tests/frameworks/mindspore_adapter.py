@@ -55,7 +55,6 @@ class MindSporeOps:
 class MindSporeAdapter:
     name = "mindspore"
     ops = MindSporeOps
-    MLP_KINDS = ("mint", "dense")
 
     # ------------------------------------------------------------------ tensors
     @staticmethod
@@ -111,6 +110,7 @@ class MindSporeAdapter:
 
     @staticmethod
     def mlp(kind, dim, hidden):
+        """``kind``: "mint" (mint.nn.Linear) or "dense" (nn.Dense)."""
         def linear(i, o):
             return mint.nn.Linear(i, o) if kind == "mint" else ms.nn.Dense(i, o)
 

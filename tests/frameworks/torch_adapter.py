@@ -52,7 +52,6 @@ class TorchAdapter:
     """The interface every adapter implements; values cross it as numpy arrays."""
     name = "torch"
     ops = TorchOps
-    MLP_KINDS = ("linear",)
 
     # ------------------------------------------------------------------ tensors
     @staticmethod
@@ -113,6 +112,7 @@ class TorchAdapter:
 
     @staticmethod
     def mlp(kind, dim, hidden):
+        """Linear(dim, hidden) -> relu -> Linear(hidden, dim) as ``w1``, ``w2``; ``kind``: "linear"."""
         class MLP(nn.Module):
             def __init__(self):
                 super().__init__()
