@@ -93,12 +93,12 @@ def _construction(rank, world_size):
         dt = distribute_tensor(own(rank), mesh2, [Shard(1), Replicate()], src_data_rank=src)
         torch.testing.assert_close(dt.full_tensor(), own(src))
         assert dt.placements == (Shard(1), Replicate())
-    # src_data_rank=None: each rank slices its own copy, nothing is communicated
+    # src_data_rank=None: each rank slices its own copy; no data travels, only the metadata check
     with CommDebugMode() as comm:
         dt = distribute_tensor(own(rank), mesh, [Shard(0)], src_data_rank=None)
         dt2 = distribute_tensor(own(rank), mesh2, [Shard(0), Shard(1)], src_data_rank=None)
         dt3 = distribute_tensor(own(rank), mesh, [Replicate()], src_data_rank=None)
-    assert comm.get_total_counts() == 0, comm.get_comm_counts()
+    assert set(comm.get_comm_counts()) <= {"shape_check"}, comm.get_comm_counts()
     torch.testing.assert_close(dt.to_local(), own(rank).chunk(4)[rank])
     torch.testing.assert_close(dt2.to_local(), own(rank).chunk(2, 0)[dp].chunk(2, 1)[tp])
     torch.testing.assert_close(dt3.to_local(), own(rank))

@@ -3,17 +3,21 @@ import numpy as np
 
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
 from hyper_parallel.core.dtensor.placement_types import Replicate, normalize_placements
+from hyper_parallel.core.dtensor.rank_check import check_same_meta
 from hyper_parallel.core.dtensor.spec import DTensorSpec
 from hyper_parallel.platform import get_platform
+
+
+def _check_src(src_index, mesh):
+    if not isinstance(src_index, int) or not 0 <= src_index < mesh.size():
+        raise ValueError(f"src_data_rank={src_index!r} is not a rank of {mesh} (a position 0..{mesh.size() - 1} in "
+                         f"its rank_list, as in PyTorch); or pass None to use each rank's own copy")
 
 
 def _broadcast_from(tensor, mesh, src_index):
     """Every rank of ``mesh`` gets the ``tensor`` of the mesh's rank ``src_index`` (its position in
     ``mesh.rank_list``): one broadcast per mesh dim, each from the rank in the line that already
     holds the data."""
-    if not isinstance(src_index, int) or not 0 <= src_index < mesh.size():
-        raise ValueError(f"src_data_rank={src_index!r} is not a rank of {mesh} (a position 0..{mesh.size() - 1} in "
-                         f"its rank_list, as in PyTorch); or pass None to use each rank's own copy")
     platform = get_platform()
     grid = np.asarray(mesh.rank_list).reshape(mesh.mesh_shape)
     src_coord = [int(c) for c in np.unravel_index(src_index, mesh.mesh_shape)]
@@ -29,15 +33,27 @@ def distribute_tensor(tensor, device_mesh, placements=None, *, src_data_rank=0):
 
     With ``src_data_rank`` (a rank within the mesh, i.e. a position in ``mesh.rank_list``, as in
     PyTorch) the data really comes from that rank; with None every rank slices its own (identical)
-    copy and nothing is communicated.
+    copy and no data is communicated. Either way one small metadata all-reduce first checks that
+    every rank passes the same ndim, dtype and shape (a ValueError on every rank otherwise), so a
+    mismatch never reaches the data collectives. A rank outside ``device_mesh`` gets an empty
+    local piece and communicates nothing, as in PyTorch.
     """
     placements = placements or [Replicate()] * device_mesh.ndim
     placements = normalize_placements(placements, tensor.ndim, device_mesh.ndim)
+    if src_data_rank is not None:
+        _check_src(src_data_rank, device_mesh)
     requires_grad = getattr(tensor, "requires_grad", False)  # MindSpore tensors have no flag
     data = tensor.detach() if hasattr(tensor, "detach") else tensor  # MindSpore: no detach()
+    full = DTensorSpec(device_mesh, (Replicate(),) * device_mesh.ndim, tuple(tensor.shape))
+    if device_mesh.get_coordinate() is None:
+        empty = get_platform().empty((0,), dtype=tensor.dtype, device=getattr(tensor, "device", None))
+        return DTensor._make(empty, full.with_placements(placements), requires_grad=requires_grad)
+    fix = ("Pass the same global tensor shape and dtype on every rank" +
+           ("" if src_data_rank is None else f" (rank {src_data_rank}'s data is sent; the others' tensors "
+                                             f"only need its shape and dtype)"))
+    check_same_meta(data, device_mesh, "distribute_tensor", fix)
     if src_data_rank is not None:
         data = _broadcast_from(data, device_mesh, src_data_rank)
-    full = DTensorSpec(device_mesh, (Replicate(),) * device_mesh.ndim, tuple(tensor.shape))
     local = as_layout(DTensor._make(data, full), full.with_placements(placements))._local_tensor
     out = DTensor._make(local.contiguous(), full.with_placements(placements), requires_grad=requires_grad)
     return out

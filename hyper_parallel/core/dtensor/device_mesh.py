@@ -29,7 +29,7 @@ def current_mesh():
 
 class DeviceMesh:
     def __init__(self, device_type, mesh, *, mesh_dim_names=None, _full=None, _root=None,
-                 _root_dims=None):
+                 _root_dims=None, _timeout=None):
         platform = get_platform()
         array = np.asarray(mesh.tolist() if hasattr(mesh, "tolist") else mesh, dtype=np.int64)
         if array.ndim == 0:
@@ -50,6 +50,7 @@ class DeviceMesh:
         self._full = array.reshape((1,) + array.shape) if _full is None else _full
         self._root_dims = _root_dims if _root_dims is not None else tuple((d,) for d in range(array.ndim))
         self._flattened = {}
+        self._timeout = _timeout
         if not platform.is_initialized():
             platform.init_process_group()
         self._rank = platform.get_rank()
@@ -65,7 +66,9 @@ class DeviceMesh:
             lines = np.moveaxis(self._full, copies + dim, -1).reshape(-1, self._mesh.shape[dim])
             mine = None
             for line in lines:  # every rank walks every line in the same order
-                group = platform.new_group(tuple(int(r) for r in line))
+                ranks = tuple(int(r) for r in line)
+                group = platform.new_group(ranks) if self._timeout is None else \
+                    platform.new_group(ranks, timeout_s=self._timeout)
                 if self._rank in line:
                     mine = group
             groups.append(mine)
@@ -113,7 +116,13 @@ class DeviceMesh:
                 raise ValueError(f"get_group() of a {self.ndim}-D mesh needs a dim (index or name in "
                                  f"{self._dim_names})")
             dim = 0
-        return self._groups[self._dim_index(dim)]
+        dim = self._dim_index(dim)
+        if self._coordinate is None:
+            # a None group would mean the whole world to the framework: a collective on it hangs
+            raise ValueError(f"rank {self._rank} is not part of mesh {self.rank_list}, so it has no group on "
+                             f"mesh dim {dim}; run collectives of this mesh only on its ranks (check "
+                             f"mesh.get_coordinate() is not None)")
+        return self._groups[dim]
 
     def get_local_rank(self, dim=None):
         if self._coordinate is None:
@@ -123,7 +132,7 @@ class DeviceMesh:
     def group_ranks(self, dim):
         """The global ranks of this rank's group along ``dim``, in mesh order."""
         dim = self._dim_index(dim)
-        index = list(self._coordinate)
+        index = list(self._anchor())
         index[dim] = slice(None)
         return tuple(int(r) for r in self._mesh[tuple(index)])
 
@@ -139,6 +148,11 @@ class DeviceMesh:
     # ------------------------------------------------------------------ slicing
     def _root_or_self(self):
         return self._root or self
+
+    def _anchor(self):
+        """This rank's coordinate; outside the mesh the first one, so that slicing a mesh on a rank
+        outside it gives the first sub-mesh (which does not contain the rank either), as PyTorch."""
+        return self._coordinate if self._coordinate is not None else (0,) * self.ndim
 
     def __getitem__(self, names):
         names = (names,) if isinstance(names, str) else tuple(names)
@@ -158,14 +172,14 @@ class DeviceMesh:
     def _select(self, dims):
         """The sub-mesh over ``dims`` (in that order) that contains this rank."""
         others = [d for d in range(self.ndim) if d not in dims]
-        index = tuple(self._coordinate[d] if d in others else slice(None) for d in range(self.ndim))
+        index = tuple(self._anchor()[d] if d in others else slice(None) for d in range(self.ndim))
         sub = np.transpose(self._mesh[index], np.argsort(np.argsort(dims)))
         copies = self._full.ndim - self.ndim
         full = np.transpose(self._full, list(range(copies)) + [copies + d for d in others] +
                             [copies + d for d in dims])
         return DeviceMesh(self.device_type, sub, mesh_dim_names=tuple(self._dim_names[d] for d in dims),
                           _full=full, _root=self._root_or_self(),
-                          _root_dims=tuple(self._root_dims[d] for d in dims))
+                          _root_dims=tuple(self._root_dims[d] for d in dims), _timeout=self._timeout)
 
     def flatten(self, name=None):
         """This mesh as one dim (row-major); registered on the root under ``name``."""
@@ -176,7 +190,7 @@ class DeviceMesh:
         copies = self._full.ndim - self.ndim
         full = self._full.reshape(self._full.shape[:copies] + (self._mesh.size,))
         flat = DeviceMesh(self.device_type, self._mesh.reshape(-1), mesh_dim_names=(name,), _full=full,
-                          _root=root, _root_dims=(sum(self._root_dims, ()),))
+                          _root=root, _root_dims=(sum(self._root_dims, ()),), _timeout=self._timeout)
         root._flattened[name] = flat
         return flat
 
@@ -195,7 +209,7 @@ class DeviceMesh:
         dim_names = list(self._dim_names or (f"dim{d}" for d in range(self.ndim)))
         dim_names[dim:dim + 1] = names
         return DeviceMesh(self.device_type, self._mesh.reshape(shape), mesh_dim_names=tuple(dim_names),
-                          _full=full)
+                          _full=full, _timeout=self._timeout)
 
     @staticmethod
     def concatenate(meshes):
@@ -218,7 +232,7 @@ class DeviceMesh:
         entries.sort(key=lambda e: e[0][0])
         order = sum((dims for dims, _ in entries), ())
         others = [d for d in range(root.ndim) if d not in order]
-        index = tuple(root._coordinate[d] if d in others else slice(None) for d in range(root.ndim))
+        index = tuple(root._anchor()[d] if d in others else slice(None) for d in range(root.ndim))
         kept = [d for d in range(root.ndim) if d in order]
         sub = np.transpose(root._mesh[index], [kept.index(d) for d in order])
         sizes = [math.prod(root._mesh.shape[d] for d in dims) for dims, _ in entries]
@@ -228,7 +242,7 @@ class DeviceMesh:
         lead = full.shape[:copies + len(others)]
         return DeviceMesh(root.device_type, sub.reshape(sizes), mesh_dim_names=tuple(n for _, n in entries),
                           _full=full.reshape(lead + tuple(sizes)), _root=root,
-                          _root_dims=tuple(dims for dims, _ in entries))
+                          _root_dims=tuple(dims for dims, _ in entries), _timeout=root._timeout)
 
     # ------------------------------------------------------------------ identity
     def to_hash(self):
@@ -253,14 +267,25 @@ class DeviceMesh:
         return False
 
 
-def init_device_mesh(device_type, mesh_shape, *, mesh_dim_names=None):
-    """A mesh over all ranks (row-major), initialising the default group from the launcher env."""
+def init_device_mesh(device_type, mesh_shape, *, mesh_dim_names=None, timeout=None):
+    """A mesh over all ranks (row-major), initialising the default group from the launcher env.
+
+    ``timeout`` (seconds) bounds every collective of the mesh: a rank that stops taking part makes
+    the others raise an error naming the collective within that time. If this call initialises the
+    default process group it gets the timeout too; if the default group already exists it keeps its
+    own, and the mesh's groups (also a mesh over the whole world) are new groups with ``timeout``.
+    Sub-meshes (slices, flatten) inherit it.
+    """
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"init_device_mesh timeout={timeout!r}: give a positive number of seconds (or None "
+                         f"for the framework's default)")
     platform = get_platform()
     if not platform.is_initialized():
-        platform.init_process_group()
+        platform.init_process_group(timeout_s=timeout)
     mesh_shape = tuple(int(s) for s in mesh_shape)
     world = platform.get_world_size()
     if math.prod(mesh_shape) != world:
         raise ValueError(f"mesh_shape {mesh_shape} holds {math.prod(mesh_shape)} ranks but the world has "
                          f"{world}; make the product of mesh_shape equal the world size")
-    return DeviceMesh(device_type, np.arange(world).reshape(mesh_shape), mesh_dim_names=mesh_dim_names)
+    return DeviceMesh(device_type, np.arange(world).reshape(mesh_shape), mesh_dim_names=mesh_dim_names,
+                      _timeout=None if timeout is None else float(timeout))

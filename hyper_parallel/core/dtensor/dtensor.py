@@ -49,6 +49,10 @@ class DTensor(_platform.DTensorBase):
                 if p.is_shard():
                     shape[p.dim] *= device_mesh.size(m)
         spec = DTensorSpec(device_mesh, placements, tuple(int(s) for s in shape))
+        if device_mesh.get_coordinate() is None:
+            # as PyTorch: a rank outside the mesh holds an empty piece and joins no collective
+            return DTensor._make(_empty_like(local_tensor), spec,
+                                 requires_grad=bool(getattr(local_tensor, "requires_grad", False)))
         if run_check:
             _check_local_shapes(local_tensor, spec)
         return _from_local(local_tensor, spec)
@@ -198,22 +202,27 @@ def as_layout(value, spec):
     return as_layout(DTensor._make(value, full_spec), spec)
 
 
+def _empty_like(local):
+    return _platform.empty((0,), dtype=local.dtype, device=getattr(local, "device", None))
+
+
 def _check_local_shapes(local_tensor, spec):
-    platform = get_platform()
-    mesh = spec.mesh
-    expected = spec.local_shape
-    # [ok, shape, -shape] min-reduced: every rank's shard fits, and all ranks agree on the shape
-    shape = [int(s) for s in spec.shape]
-    ok = platform.tensor([1 if tuple(local_tensor.shape) == expected else 0] + shape + [-s for s in shape],
-                         device=local_tensor.device)
-    for m in range(mesh.ndim):
-        ok = platform.all_reduce(ok, mesh.get_group(m), "min")
-    ok = [int(v) for v in ok.tolist()]
-    if ok[0] != 1 or ok[1:1 + len(shape)] != [-v for v in ok[1 + len(shape):]]:
-        raise ValueError(f"from_local(run_check=True): local shapes do not form a {list(spec.shape)} tensor "
-                         f"laid out as {spec.placements} on every rank (this rank has "
-                         f"{tuple(local_tensor.shape)}, expected {expected}); pass the same shape= on every "
-                         f"rank for uneven shards")
+    """``run_check``: every rank's piece has the ndim, dtype and shape the layout gives it, and all
+    ranks agree on the global shape. One fixed-length message whatever the ndim (rank_check.py),
+    so a rank with another ndim gets the same ValueError as the rest instead of a gloo abort."""
+    from hyper_parallel.core.dtensor import rank_check as rc
+    fits = 1 if tuple(local_tensor.shape) == spec.local_shape else 0
+    mine = [fits, len(local_tensor.shape), rc.dtype_code(local_tensor.dtype)] + rc.shape_fields(spec.shape)
+    names = ["local piece fits the layout (1 = yes)", "ndim", "dtype"] + rc.meta_field_names("global ")[2:]
+    mins, maxs = rc.mesh_min_max(spec.mesh, mine, getattr(local_tensor, "device", None))
+    if mins == maxs and fits:
+        return
+    raise ValueError(f"from_local(run_check=True): the local pieces do not form one {list(spec.shape)} "
+                     f"tensor laid out as {spec.placements} on {spec.mesh} "
+                     f"({rc.describe_disagreement(names, mins, maxs) or 'pieces do not fit'}); rank "
+                     f"{get_platform().get_rank()} has {rc.dtype_name(local_tensor.dtype)} "
+                     f"{tuple(local_tensor.shape)}, expected {spec.local_shape}. Pass tensors of one ndim "
+                     f"and dtype on every rank, and the same shape= on every rank for uneven shards")
 
 
 __all__ = ["DTensor", "as_layout"]

@@ -225,6 +225,8 @@ def _run_step(step, local, mesh):
 
 def redistribute_local(local, mesh, shape, src, dst):
     """Move ``local`` (the shard of a ``shape`` tensor laid out as ``src``) to layout ``dst``."""
+    if mesh.get_coordinate() is None:
+        return local  # a rank outside the mesh keeps its empty piece and joins no collective (PyTorch)
     for step in plan_redistribute(mesh, shape, src, dst):
         local = _run_step(step, local, mesh)
     return local
