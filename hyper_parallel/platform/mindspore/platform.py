@@ -132,8 +132,14 @@ class MindSporePlatform(Platform):
             return len(self._comm.world().ranks) if self.is_initialized() else 1
         return len(self._comm.resolve(group))
 
-    def new_group(self, ranks):
+    def new_group(self, ranks, timeout_s=None):
+        """``timeout_s`` is accepted for the shared interface and ignored: MindSpore's collectives
+        have no per-group timeout (on CPU they give up after their own fixed ~30 s)."""
         return self._comm.new_group(ranks)
+
+    @staticmethod
+    def group_timeout(group):
+        return None
 
     def group_ranks(self, group):
         return self._comm.resolve(group).ranks

@@ -25,6 +25,43 @@ def _nbytes(tensor):
     return tensor.numel() * tensor.element_size()
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed in the backend (a peer closed its connection, ...); the message names
+    the collective, the group's ranks and its timeout."""
+
+
+class CollectiveTimeoutError(TimeoutError, CollectiveError):
+    """A collective did not complete within its group's timeout: some rank of the group never
+    joined it (it raised, exited, or took another code path)."""
+
+
+def collective_error(op, ranks, timeout_s, exc):
+    """The error to raise for backend error ``exc`` in collective ``op`` on group ``ranks``."""
+    limit = "the default timeout" if timeout_s is None else f"{timeout_s:g} s"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return CollectiveTimeoutError(
+            f"{op} on process group ranks {list(ranks)} timed out after {limit}: a rank of the group did not "
+            f"join it (did one raise, exit or skip the collective?). Backend: {text}")
+    return CollectiveError(f"{op} on process group ranks {list(ranks)} failed (collective timeout {limit}); "
+                           f"a peer has probably failed or exited. Backend: {text}")
+
+
+class _NamedWork:
+    """A backend work handle whose wait() raises the named error."""
+
+    def __init__(self, work, describe):
+        self._work, self._describe = work, describe
+
+    def wait(self):
+        try:
+            return self._work.wait()
+        except RuntimeError as exc:
+            if isinstance(exc, CollectiveError):
+                raise
+            raise self._describe(exc) from exc
+
+
 class Collectives:
     """Collectives bound to one platform (for accounting and backend quirks)."""
 
@@ -37,6 +74,20 @@ class Collectives:
     def _finish(self, async_op, works, finish):
         handle = AsyncHandle([w for w in works if w is not None], finish)
         return handle if async_op else handle.wait()
+
+    def _launch(self, op, group, start, async_op=False):
+        """Run ``start()`` (a torch.distributed call); backend errors, now or at wait(), become a
+        CollectiveError naming ``op``, the group's ranks and its timeout. Returns the works to
+        wait for (none when synchronous)."""
+        def describe(exc):
+            return collective_error(op, self._platform.group_ranks(group),
+                                    self._platform.group_timeout(group), exc)
+        try:
+            work = start()
+        except RuntimeError as exc:
+            raise describe(exc) from exc
+        works = work if isinstance(work, list) else [work]
+        return [_NamedWork(w, describe) for w in works if w is not None] if async_op else []
 
     def _record(self, op, nbytes, group):
         self._platform.record_comm(op, nbytes, self._platform.group_ranks(group))
@@ -65,7 +116,8 @@ class Collectives:
         out = torch.empty((n * moved.shape[0],) + tuple(moved.shape[1:]), dtype=tensor.dtype,
                           device=tensor.device)
         self._record("all_gather", (n - 1) * _nbytes(moved), group)
-        work = _all_gather_single(out, moved, group=group, async_op=async_op)
+        works = self._launch("all_gather", group,
+                             lambda: _all_gather_single(out, moved, group=group, async_op=async_op), async_op)
         perm = self._order(group)
 
         def finish():
@@ -73,7 +125,7 @@ class Collectives:
             if perm is not None:
                 result = out.unflatten(0, (n, moved.shape[0]))[perm[0]].flatten(0, 1)
             return result.movedim(0, dim).contiguous()
-        return self._finish(async_op, [work] if async_op else [], finish)
+        return self._finish(async_op, works, finish)
 
     def _blocks(self, tensor, dim, n, group, op):
         """``tensor`` split along ``dim`` into n equal blocks stacked on a leading dim, in the
@@ -98,12 +150,13 @@ class Collectives:
         blocks, perm = self._blocks(tensor, split_dim, n, group, "all_to_all_single")
         out = torch.empty_like(blocks)
         self._record("all_to_all", _nbytes(blocks) * (n - 1) // n, group)
-        work = dist.all_to_all_single(out, blocks, group=group, async_op=async_op)
+        works = self._launch("all_to_all_single", group,
+                             lambda: dist.all_to_all_single(out, blocks, group=group, async_op=async_op), async_op)
 
         def finish():
             received = out if perm is None else out[perm[0]]
             return received.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1).contiguous()
-        return self._finish(async_op, [work] if async_op else [], finish)
+        return self._finish(async_op, works, finish)
 
     def all_to_all(self, tensors, group, out_shapes=None, async_op=False):
         """List all-to-all, emulated with one uneven all_to_all_single of flattened buffers
@@ -123,14 +176,14 @@ class Collectives:
         recv = torch.empty(sum(out_splits), dtype=dtype, device=device)
         me = dist.get_rank(group)
         self._record("all_to_all", (send.numel() - in_splits[me]) * send.element_size(), group)
-        work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=group,
-                                      async_op=async_op)
+        works = self._launch("all_to_all", group, lambda: dist.all_to_all_single(
+            recv, send, out_splits, in_splits, group=group, async_op=async_op), async_op)
 
         def finish():
             pieces = [piece.reshape(shape) for piece, shape in
                       zip(torch.split(recv, out_splits), out_shapes)]
             return pieces if perm is None else [pieces[i] for i in perm[0]]
-        return self._finish(async_op, [work] if async_op else [], finish)
+        return self._finish(async_op, works, finish)
 
     # --------------------------------------------------------------------------- reductions
     def reduce_scatter(self, tensor, group, dim=0, op="sum", async_op=False):
@@ -146,15 +199,17 @@ class Collectives:
             # gloo's reduce-scatter is weak (op and dtype gaps): one all-to-all moves exactly the
             # bytes of a ring reduce-scatter, and the reduction happens locally in rank order.
             received = torch.empty_like(blocks)
-            work = dist.all_to_all_single(received, blocks, group=group, async_op=async_op)
-            return self._finish(async_op, [work] if async_op else [],
+            works = self._launch("reduce_scatter", group, lambda: dist.all_to_all_single(
+                received, blocks, group=group, async_op=async_op), async_op)
+            return self._finish(async_op, works,
                                 lambda: _reduce_stack(received if perm is None else received[perm[0]],
                                                   op, n))
         out = torch.empty(blocks.shape[1:], dtype=tensor.dtype, device=tensor.device)
         native_op = dist.ReduceOp.AVG if op == "avg" and not self._backend_is(group, "gloo") \
             else _REDUCE_OPS[op]
-        work = dist.reduce_scatter_tensor(out, blocks, op=native_op, group=group, async_op=async_op)
-        return self._finish(async_op, [work] if async_op else [],
+        works = self._launch("reduce_scatter", group, lambda: dist.reduce_scatter_tensor(
+            out, blocks, op=native_op, group=group, async_op=async_op), async_op)
+        return self._finish(async_op, works,
                             lambda: out / n if op == "avg" and native_op != dist.ReduceOp.AVG else out)
 
     def all_reduce(self, tensor, group, op="sum", async_op=False, tag=None):
@@ -165,10 +220,11 @@ class Collectives:
             return self._trivial(out, async_op)
         self._record(tag or "all_reduce", 2 * _nbytes(out) * (n - 1) // n, group)
         native_avg = op == "avg" and dist.get_backend(group) == "nccl"
-        work = dist.all_reduce(out, op=dist.ReduceOp.AVG if native_avg else _REDUCE_OPS[op],
-                               group=group, async_op=async_op)
+        native = dist.ReduceOp.AVG if native_avg else _REDUCE_OPS[op]
+        works = self._launch(tag or "all_reduce", group,
+                             lambda: dist.all_reduce(out, op=native, group=group, async_op=async_op), async_op)
         scale = op == "avg" and not native_avg
-        return self._finish(async_op, [work] if async_op else [],
+        return self._finish(async_op, works,
                             lambda: out.div_(n) if scale else out)
 
     def broadcast(self, tensor, src, group, async_op=False):
@@ -178,8 +234,9 @@ class Collectives:
             return self._trivial(out, async_op)
         if dist.get_rank() == src:
             self._record("broadcast", _nbytes(out), group)
-        work = dist.broadcast(out, src=src, group=group, async_op=async_op)
-        return self._finish(async_op, [work] if async_op else [], lambda: out)
+        works = self._launch("broadcast", group,
+                             lambda: dist.broadcast(out, src=src, group=group, async_op=async_op), async_op)
+        return self._finish(async_op, works, lambda: out)
 
     # --------------------------------------------------------------------------- point-to-point
     def p2p_exchange(self, sends, recvs, group=None, async_op=False):
@@ -200,7 +257,8 @@ class Collectives:
         sent = sum(_nbytes(t) for t, peer in sends if peer != me)
         if sent:
             self._record("send_recv", sent, group)
-        works = dist.batch_isend_irecv(ops) if ops else []
+        works = self._launch("send_recv (batch_isend_irecv)", group,
+                             lambda: dist.batch_isend_irecv(ops) if ops else [], async_op=True)
         return self._finish(async_op, works, lambda: outputs)
 
     @staticmethod

@@ -29,6 +29,8 @@ class TorchPlatform(Platform):
         self._comm = Collectives(self)
         self._groups = {}
         self._group_ranks = {}
+        self._group_timeouts = {}
+        self._default_timeout_s = None
 
     # ---------------------------------------------------------------- device
     @property
@@ -95,6 +97,7 @@ class TorchPlatform(Platform):
         if timeout_s is not None:
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend or self.default_backend, **kwargs)
+        self._default_timeout_s = timeout_s
 
     def is_initialized(self):
         return dist.is_initialized()
@@ -111,17 +114,31 @@ class TorchPlatform(Platform):
     def get_world_size(self, group=None):
         return dist.get_world_size(group)
 
-    def new_group(self, ranks):
+    def new_group(self, ranks, timeout_s=None):
+        """The group of ``ranks``, cached per (ranks, timeout). ``timeout_s`` bounds its collectives;
+        None (or the default group's own timeout) shares the default group's setting, and the whole
+        world is then the default group itself."""
         ranks = tuple(int(r) for r in ranks)
-        group = self._groups.get(ranks)
+        if timeout_s is not None and timeout_s == self._default_timeout_s:
+            timeout_s = None
+        key = ranks if timeout_s is None else (ranks, float(timeout_s))
+        group = self._groups.get(key)
         if group is None:
-            if ranks == tuple(range(dist.get_world_size())):
+            if ranks == tuple(range(dist.get_world_size())) and timeout_s is None:
                 group = dist.group.WORLD
             else:
-                group = dist.new_group(list(ranks), use_local_synchronization=False)
-            self._groups[ranks] = group
+                kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+                group = dist.new_group(list(ranks), use_local_synchronization=False, **kwargs)
+            self._groups[key] = group
             self._group_ranks[group] = ranks
+            self._group_timeouts[group] = timeout_s if timeout_s is not None else self._default_timeout_s
         return group
+
+    def group_timeout(self, group):
+        """The collective timeout of ``group`` in seconds, or None for the framework's default."""
+        if group is None or group is dist.group.WORLD:
+            return self._default_timeout_s
+        return self._group_timeouts.get(group)
 
     def group_ranks(self, group):
         if group is None or group is dist.group.WORLD:
@@ -130,7 +147,7 @@ class TorchPlatform(Platform):
         return ranks if ranks is not None else tuple(dist.get_process_group_ranks(group))
 
     def barrier(self, group=None):
-        dist.barrier(group)
+        self._comm._launch("barrier", group, lambda: dist.barrier(group))
 
     def destroy_process_group(self):
         if dist.is_initialized():
@@ -138,6 +155,7 @@ class TorchPlatform(Platform):
             dist.destroy_process_group()
         self._groups.clear()
         self._group_ranks.clear()
+        self._group_timeouts.clear()
 
     # ---------------------------------------------------------------- raw collectives
     def all_gather(self, tensor, group, dim=0, async_op=False):
