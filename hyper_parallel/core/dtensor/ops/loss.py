@@ -82,7 +82,10 @@ def cross_entropy_rule(call):
         return _replicated(call)
 
     ts = call.spec(target)
-    soft = ts is not None and tuple(ts.shape) == tuple(xs.shape) and get_platform().is_floating_point(target)
+    target_shape = tuple(getattr(target, "shape", ()))
+    soft = target_shape == tuple(xs.shape) and get_platform().is_floating_point(target)
+    if not _vocab_parallel_arguments_valid(v, xs, target_shape, soft, class_dim):
+        return _replicated(call)   # the framework's own op raises its own error on whole tensors
     x_t = tuple(xs.placements[m] if m == vocab_mesh_dim else Replicate() for m in range(call.mesh_ndim))
     inputs = [None] * len(call.specs)
     inputs[call.index(x)] = x_t
@@ -92,6 +95,32 @@ def cross_entropy_rule(call):
     local = _vocab_parallel_local(call.mesh.get_group(vocab_mesh_dim), class_dim, start, size,
                                   xs.shape[class_dim], soft)
     return OpStrategy(inputs=inputs, outputs=tuple(Replicate() for _ in range(call.mesh_ndim)), local=local)
+
+
+def _vocab_parallel_arguments_valid(v, xs, target_shape, soft, class_dim):
+    """Shapes, target dtype and label_smoothing the vocab-parallel path can take as given; anything
+    else goes to the whole-tensor op, which rejects it exactly as on one device."""
+    eps = v["label_smoothing"]
+    if eps is not None and not 0.0 <= float(eps) <= 1.0:
+        return False
+    target = v["target"]
+    if soft or not get_platform().is_tensor(target):
+        return soft
+    label_shape = tuple(xs.shape[:class_dim]) + tuple(xs.shape[class_dim + 1:])
+    return target_shape == label_shape and not get_platform().is_floating_point(target)
+
+
+def _check_labels(target, num_classes, ignore_index):
+    """Labels outside [0, C) that are not ignore_index raise IndexError, as on one device. The
+    labels are replicated (the rule asks for it), so every rank takes the same decision before any
+    collective: no rank is left waiting. Cost: one device-to-host read of a boolean per call (a
+    stream sync on an accelerator; free on CPU), the price of an exact error."""
+    bad = (target < 0) | (target >= num_classes)
+    if ignore_index is not None:
+        bad = bad & (target != ignore_index)
+    if bool(bad.any()):
+        first = int(target[bad].reshape(-1)[0].item())
+        raise IndexError(f"Target {first} is out of bounds.")
 
 
 def _vocab_parallel_local(group, class_dim, start, size, num_classes, soft):
@@ -105,6 +134,8 @@ def _vocab_parallel_local(group, class_dim, start, size, num_classes, soft):
 
         # the shift: any per-token constant works (the loss does not depend on it); the global
         # max keeps exp() in range. No gradient flows through it.
+        if not soft:
+            _check_labels(target, num_classes, v["ignore_index"])
         if size > 0:
             m_local = x.detach().amax(dim=class_dim, keepdim=True)
         else:
