@@ -1,13 +1,15 @@
-"""One context-parallel attention call: distribute q, k, v for the mode, run the module, return
-the output in the caller's layout."""
+"""One context-parallel attention call: check and distribute q, k, v for the mode, run the module,
+return the output in the caller's layout (read from the output, see output.py)."""
 from dataclasses import dataclass
 
+from hyper_parallel.core.context_parallel.checks import (NAMES, check_across_ranks, check_layout,
+                                                         normalise_dims)
 from hyper_parallel.core.context_parallel.layouts import input_placements, mode_placements
 from hyper_parallel.core.context_parallel.load_balance import merge_head_tail, split_head_tail
+from hyper_parallel.core.context_parallel.output import to_caller
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import HeadTailShard, Replicate, Shard
-from hyper_parallel.platform import get_platform
 
 
 @dataclass
@@ -18,86 +20,125 @@ class _Inputs:
     placements: list        # their layouts on the working mesh
     shapes: list            # their global shapes
     policy: str             # "local" | "cp" | "foreign"
+    seq: int                # q/k/v's sequence and head dims, normalised
+    head: int
     own_mesh: object = None
-    own_placements: tuple = ()
+    own_dims: tuple = ()    # working-mesh dims of the caller's own mesh ("foreign")
 
 
-def _gather_inputs(style, cp_mesh, qkv):
-    q = qkv[0]
-    seq = style.seq_dim % q.ndim
+def _on_cp_mesh(mesh, cp_mesh):
+    return mesh == cp_mesh or (mesh.ndim == 1 and mesh.size() == cp_mesh.size()
+                               and mesh.rank_list == cp_mesh.rank_list)
+
+
+def _policy(q, cp_mesh):
     if not isinstance(q, DTensor):
-        return _from_plain(style, cp_mesh, qkv, seq, "local")
+        return "local"
+    return "cp" if _on_cp_mesh(q.device_mesh, cp_mesh) else "foreign"
+
+
+def _check_meshes(qkv, policy, cp_mesh):
+    """k/v DTensors must live where q's policy can place them."""
+    q = qkv[0]
+    for name, t in zip(NAMES[1:], qkv[1:]):
+        if not isinstance(t, DTensor):
+            continue
+        fits = t.device_mesh == q.device_mesh if policy == "foreign" else _on_cp_mesh(t.device_mesh, cp_mesh)
+        if not fits:
+            where = f"q's mesh {q.device_mesh}" if policy == "foreign" else f"the CP mesh {cp_mesh}"
+            raise ValueError(f"ContextParallel: {name} is a DTensor on {t.device_mesh}, not on {where}; pass "
+                             f"q, k and v as DTensors on one mesh, or k and v as plain local blocks")
+
+
+def _block_shape(t, policy, seq, cp_mesh):
+    """The shape of the sequence block this rank contributes for ``t``."""
+    shape = list(t.shape)
+    if isinstance(t, DTensor) and policy != "foreign":
+        if shape[seq] % cp_mesh.size():
+            raise ValueError(f"ContextParallel: a DTensor input has global sequence length {shape[seq]}, not "
+                             f"divisible by the CP size {cp_mesh.size()}; pad the sequence to a multiple of it")
+        shape[seq] //= cp_mesh.size()
+    return tuple(shape)
+
+
+def _prepare(style, cp_mesh, qkv):
+    """Every check first (one small all-reduce, then checks every rank agrees on), then the inputs
+    on the working mesh."""
+    raw = [t.to_local() if isinstance(t, DTensor) else t for t in qkv]
+    check_across_ranks(cp_mesh, raw)
+    seq, head = normalise_dims(style, [t.ndim for t in raw])
+    policy = _policy(qkv[0], cp_mesh)
+    _check_meshes(qkv, policy, cp_mesh)
+    check_layout(style, [_block_shape(t, policy, seq, cp_mesh) for t in qkv], seq, head)
+    if policy == "foreign":
+        return _foreign(cp_mesh, qkv, seq, head)
+    blocks = [t.redistribute(placements=[Shard(seq)] * t.device_mesh.ndim).to_local()
+              if isinstance(t, DTensor) else t for t in qkv]
+    cp_dims = list(range(cp_mesh.ndim))
+    placements, shapes = [], []
+    for t in blocks:
+        placements.append(input_placements(cp_mesh, t.ndim, seq, cp_dims))
+        shape = list(t.shape)
+        shape[seq] *= cp_mesh.size()
+        shapes.append(tuple(shape))
+    own = qkv[0].device_mesh if policy == "cp" else None
+    return _Inputs(cp_mesh, cp_dims, blocks, placements, shapes, policy, seq, head, own)
+
+
+def _like_q(t, name, q):
+    """k or v on q's mesh with q's placements there: a plain tensor counts as replicated (this CP
+    rank's block, every head), and a differently split one is re-split, so the heads each rank
+    holds line up with q's."""
     own = q.device_mesh
-    if own == cp_mesh or (own.ndim == 1 and own.size() == cp_mesh.size() and own.rank_list == cp_mesh.rank_list):
-        cp_local = [t.redistribute(placements=[Shard(seq)]).to_local() if isinstance(t, DTensor) else t
-                    for t in qkv]
-        inputs = _from_plain(style, cp_mesh, cp_local, seq, "cp")
-        inputs.own_mesh, inputs.own_placements = own, (Shard(seq),)
-        return inputs
+    if not isinstance(t, DTensor):
+        t = DTensor.from_local(t, own, [Replicate()] * own.ndim)
+    if tuple(t.placements) == tuple(q.placements):
+        return t
+    for d in range(t.ndim):
+        parts = 1
+        for m, p in enumerate(q.placements):
+            parts *= own.size(m) if p.is_shard(d) else 1
+        if t.shape[d] % parts:
+            raise ValueError(f"ContextParallel: {name} has {t.shape[d]} entries on dim {d}, which q's placements "
+                             f"{tuple(q.placements)} split {parts} ways; split k and v as q is split, or make "
+                             f"that dim divisible")
+    return t.redistribute(placements=tuple(q.placements))
+
+
+def _foreign(cp_mesh, qkv, seq, head):
+    q = qkv[0]
+    own = q.device_mesh
     mesh = DeviceMesh.concatenate([cp_mesh, own])
     names = mesh.mesh_dim_names
     cp_dims = [names.index(n) for n in cp_mesh.mesh_dim_names]
+    own_dims = tuple(names.index(n) for n in own.mesh_dim_names)
     locals_, placements, shapes = [], [], []
-    for t in qkv:
-        if not isinstance(t, DTensor) or t.device_mesh != own:
-            raise ValueError("ContextParallel: q, k and v must all be DTensors on the same mesh "
-                             f"({own}) when q is one")
-        other = [None] * mesh.ndim
-        for m, p in zip([names.index(n) for n in own.mesh_dim_names], t.placements):
+    for name, t in zip(NAMES, qkv):
+        t = _like_q(t, name, q)
+        other = [Replicate()] * mesh.ndim
+        for m, p in zip(own_dims, t.placements):
             other[m] = p
-        other = [p if p is not None else Replicate() for p in other]
         placements.append(input_placements(mesh, t.ndim, seq, cp_dims, other))
         shape = list(t.shape)
         shape[seq] *= cp_mesh.size()
         shapes.append(tuple(shape))
         locals_.append(t.to_local())
-    return _Inputs(mesh, cp_dims, locals_, placements, shapes, "foreign", own, q.placements)
-
-
-def _from_plain(style, cp_mesh, qkv, seq, policy):
-    _check_lengths(style, cp_mesh, qkv, seq)
-    cp_dims = list(range(cp_mesh.ndim))
-    placements, shapes = [], []
-    for t in qkv:
-        placements.append(input_placements(cp_mesh, t.ndim, seq, cp_dims))
-        shape = list(t.shape)
-        shape[seq] *= cp_mesh.size()
-        shapes.append(tuple(shape))
-    return _Inputs(cp_mesh, cp_dims, list(qkv), placements, shapes, policy)
-
-
-def _check_lengths(style, cp_mesh, qkv, seq):
-    """Every rank must pass blocks of one shape; checked with one tiny all-reduce so that all ranks
-    raise together, before any data moves."""
-    platform = get_platform()
-    dims = []
-    for t in qkv:
-        dims.extend(int(s) for s in t.shape)
-    probe = platform.tensor(dims + [-d for d in dims])
-    for m in range(cp_mesh.ndim):
-        probe = platform.all_reduce(probe, cp_mesh.get_group(m), "max", tag="shape_check")
-    top, bottom = probe[:len(dims)].tolist(), [-x for x in probe[len(dims):].tolist()]
-    if top != bottom:
-        raise ValueError(f"ContextParallel: ranks passed q/k/v blocks of different shapes (per-dim max "
-                         f"{top}, min {bottom}); every rank must pass an equal contiguous block of the "
-                         f"sequence (pad the sequence to a multiple of the CP size)")
+    return _Inputs(mesh, cp_dims, locals_, placements, shapes, "foreign", seq, head, own, own_dims)
 
 
 def _validate(style, inputs, ulysses_dims):
     q_local, k_local = inputs.locals[0], inputs.locals[1]
-    head = style.head_dim % q_local.ndim
-    seq = style.seq_dim % q_local.ndim
     ds = 1
     for m in ulysses_dims:
         ds *= inputs.mesh.size(m)
     for name, t in (("q", q_local), ("k/v", k_local)):
-        if t.shape[head] % ds:
-            raise ValueError(f"ContextParallel: {name} has {t.shape[head]} heads here, not divisible by "
+        if t.shape[inputs.head] % ds:
+            raise ValueError(f"ContextParallel: {name} has {t.shape[inputs.head]} heads here, not divisible by "
                              f"ulysses_degree={ds}; choose a ulysses_degree that divides the head count "
                              f"(ulysses_degree=1 is all-gather KV and has no head constraint)")
-    if style.load_balance and q_local.shape[seq] % 2:
+    if style.load_balance and q_local.shape[inputs.seq] % 2:
         raise ValueError(f"ContextParallel(load_balance=True): the local sequence length "
-                         f"{q_local.shape[seq]} is odd; it must split into two equal halves")
+                         f"{q_local.shape[inputs.seq]} is odd; it must split into two equal halves")
 
 
 def _mode_dims(style, cp_mesh, inputs):
@@ -109,45 +150,52 @@ def _mode_dims(style, cp_mesh, inputs):
 
 
 def run_attention(style, cp_mesh, qkv, call):
-    inputs = _gather_inputs(style, cp_mesh, qkv)
+    inputs = _prepare(style, cp_mesh, qkv)
     ulysses_dims, gather_dims = _mode_dims(style, cp_mesh, inputs)
+    _validate(style, inputs, ulysses_dims)
     if style.kv_exchange == "ring" and gather_dims:
         from hyper_parallel.core.context_parallel.ring_mode import run_ring
-        return _deliver(style, inputs, run_ring(style, inputs, ulysses_dims, gather_dims[0], call))
-    _validate(style, inputs, ulysses_dims)
-    mesh, seq = inputs.mesh, style.seq_dim % inputs.locals[0].ndim
-    head = style.head_dim % inputs.locals[0].ndim
+        return _deliver(style, inputs, *run_ring(style, inputs, ulysses_dims, gather_dims[0], call))
+    mesh, seq, head = inputs.mesh, inputs.seq, inputs.head
     dts = [DTensor.from_local(t, mesh, p, shape=s) for t, p, s in
            zip(inputs.locals, inputs.placements, inputs.shapes)]
     _, kv_target = mode_placements(inputs.placements[1], mesh, dts[1].ndim, seq, head, ulysses_dims,
                                    gather_dims)
     k, v = (t.redistribute(placements=kv_target) for t in dts[1:])
     if style.load_balance:
-        out_local = _load_balanced(style, inputs, k, v, call, seq)
-    else:
-        q_target, _ = mode_placements(inputs.placements[0], mesh, dts[0].ndim, seq, head, ulysses_dims,
-                                      gather_dims)
-        out = _first(call(dts[0].redistribute(placements=q_target), k, v))
-        out_local = out.redistribute(placements=inputs.placements[0]).to_local()
-    return _deliver(style, inputs, out_local)
+        return _deliver(style, inputs, *_load_balanced(inputs, k, v, call))
+    q_target, _ = mode_placements(inputs.placements[0], mesh, dts[0].ndim, seq, head, ulysses_dims,
+                                  gather_dims)
+    out = first_output(call(dts[0].redistribute(placements=q_target), k, v))
+    return _deliver(style, inputs, *to_caller(out, inputs, ulysses_dims))
 
 
-def _load_balanced(style, inputs, k, v, call, seq):
+def _load_balanced(inputs, k, v, call):
     mesh, (cp_dim,) = inputs.mesh, inputs.cp_dims
-    head_l, tail_l = split_head_tail(inputs.locals[0], seq, mesh, cp_dim)
-    outs = []
+    head_l, tail_l = split_head_tail(inputs.locals[0], inputs.seq, mesh, cp_dim)
+    outs, layouts = [], set()
     for half, local in enumerate((head_l, tail_l)):
         placements = list(inputs.placements[0])
-        placements[cp_dim] = HeadTailShard(seq, half)
+        placements[cp_dim] = HeadTailShard(inputs.seq, half)
         q = DTensor.from_local(local, mesh, placements, shape=inputs.shapes[0])
-        out = _first(call(q, k, v))
-        if tuple(out.placements) != tuple(placements):
-            out = out.redistribute(placements=placements)
+        out = first_output(call(q, k, v))
+        p = tuple(out.placements)
+        split = p[cp_dim]
+        if not (isinstance(split, HeadTailShard) and split.half == half
+                and out.shape[split.dim] == inputs.shapes[0][inputs.seq]):
+            raise ValueError(f"ContextParallel(load_balance=True): the attention output (global shape "
+                             f"{tuple(out.shape)}, placements {p}) no longer holds this rank's query rows on "
+                             f"one sequence dim; return the per-token attention output")
+        layouts.add(p[:cp_dim] + (split.dim,) + p[cp_dim + 1:])
         outs.append(out.to_local())
-    return merge_head_tail(outs[0], outs[1], seq, mesh, cp_dim)
+    if len(layouts) != 1:
+        raise ValueError(f"ContextParallel(load_balance=True): the two halves of the output came back in "
+                         f"different layouts {sorted(map(str, layouts))}")
+    seq = split.dim
+    return merge_head_tail(outs[0], outs[1], seq, mesh, cp_dim), seq, p
 
 
-def _first(out):
+def first_output(out):
     value = out[0] if isinstance(out, (tuple, list)) else out
     if not isinstance(value, DTensor):
         raise ValueError("ContextParallel: the attention module must return the DTensor its attention "
@@ -155,7 +203,9 @@ def _first(out):
     return value
 
 
-def _deliver(style, inputs, out_local):
+def _deliver(style, inputs, out_local, seq, placements):
     if style.use_local_output or inputs.policy == "local":
         return out_local
-    return DTensor.from_local(out_local, inputs.own_mesh, inputs.own_placements)
+    if inputs.policy == "cp":
+        return DTensor.from_local(out_local, inputs.own_mesh, [Shard(seq)] * inputs.own_mesh.ndim)
+    return DTensor.from_local(out_local, inputs.own_mesh, [placements[m] for m in inputs.own_dims])

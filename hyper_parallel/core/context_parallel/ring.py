@@ -12,6 +12,9 @@ so every rank does the same causal work.
 """
 from dataclasses import dataclass
 
+from hyper_parallel.core.dtensor.ops.attention import expand_heads as _expand_heads
+from hyper_parallel.core.dtensor.ops.attention import fold_heads as _fold_heads
+from hyper_parallel.core.dtensor.ops.attention import merge_blocks as _merge
 from hyper_parallel.platform import get_platform
 
 SEQ = -2  # kernels see (batch, heads, seq, dim)
@@ -38,28 +41,6 @@ def _relation(q_id, k_id, causal):
     if not causal or k_id < q_id:
         return "full"
     return "diag" if k_id == q_id else "skip"
-
-
-def _expand_heads(t, groups):
-    return t if groups == 1 else t.repeat_interleave(groups, dim=-3)
-
-
-def _fold_heads(t, groups):
-    """Sum the gradients of the query heads that share one k/v head (GQA)."""
-    if groups == 1:
-        return t
-    shape = tuple(t.shape)
-    return t.reshape(shape[:-3] + (shape[-3] // groups, groups) + shape[-2:]).sum(-3)
-
-
-def _merge(acc, out, lse):
-    """Combine two partial attentions over disjoint keys by their log-sum-exp."""
-    if acc is None:
-        return out.to(lse.dtype), lse
-    acc_out, acc_lse = acc
-    new_lse = acc_lse.logaddexp(lse)
-    merged = acc_out * (acc_lse - new_lse).exp().unsqueeze(-1) + out.to(lse.dtype) * (lse - new_lse).exp().unsqueeze(-1)
-    return merged, new_lse
 
 
 class _Ring:

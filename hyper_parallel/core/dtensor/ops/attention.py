@@ -1,11 +1,16 @@
 """scaled_dot_product_attention on (..., heads, seq, dim) DTensors.
 
 Per mesh dim one of: everything replicated; batch or heads split on q, k, v alike (heads must
-divide evenly, GQA groups stay together); or queries split along the sequence with k and v
-replicated — the all-gather-KV form of context parallelism. In that last form the causal mask is
-the global one: each rank's query rows [r0, r0+L) may see keys j <= r0 + i, so keys past
-r0 + L are dropped before the kernel runs and the mask is built with that offset. An explicit
-global mask is sliced to the local rows by the same redistribution that splits q.
+divide evenly, GQA groups stay together; k and v take q's exact placement so their heads line up
+with q's even when they arrived split differently); or queries split along the sequence with k and
+v replicated — the all-gather-KV form of context parallelism. In that last form the causal mask is
+the global one: each rank's query rows [r0, r0+L) may see keys j <= r0 + i, so keys past r0 + L
+are dropped before the kernel runs. The visible keys are attended in two blocks merged by their
+log-sum-exp: [0, r0), seen by every local row, and the diagonal block [r0, r0+L) under the
+kernel's own causal mask. No row's scores ever include a key it may not see, so a NaN or inf in an
+excluded key stays out of that row exactly as in single-device causal attention (an additive
+-inf mask would turn NaN + -inf into NaN). An explicit global mask is sliced to the local rows by
+the same redistribution that splits q.
 """
 import contextlib
 import contextvars
@@ -70,9 +75,10 @@ def _candidates(qs, ks, vs, m, n):
     for d in range(nd - 2):
         if qs.shape[d] % n or ks.shape[d] % n:
             continue  # heads (or batch) must split evenly; GQA groups then stay together
+        # k and v take q's placement itself, not just "some split of dim d": a StridedShard and a
+        # Shard of the heads hold different heads, and pairing them would attend the wrong heads
         pick_q = pq if pq.is_shard(d) else Shard(d)
-        cands.append(([pick_q, ks.placements[m] if ks.placements[m].is_shard(d) else Shard(d),
-                       vs.placements[m] if vs.placements[m].is_shard(d) else Shard(d)], pick_q))
+        cands.append(([pick_q, pick_q, pick_q], pick_q))
     seq_q = pq if pq.is_shard(nd - 2) else Shard(nd - 2)
     cands.append(([seq_q, Replicate(), Replicate()], seq_q))
     return cands
@@ -116,15 +122,90 @@ def _offset_causal(row_start):
         q, k, v = values["query"], values["key"], values["value"]
         seq = q.ndim - 2
         rows = q.shape[seq]
-        visible = min(row_start + rows, k.shape[seq])
+        visible = max(0, min(row_start + rows, k.shape[seq]))
         k, v = k.narrow(seq, 0, visible), v.narrow(seq, 0, visible)
         platform = get_platform()
-        extra = {"enable_gqa": kwargs["enable_gqa"]} if kwargs.get("enable_gqa") else {}
+        gqa = bool(kwargs.get("enable_gqa"))
+        extra = {"enable_gqa": True} if gqa else {}
         dropout = values["dropout_p"] or 0.0
         if row_start == 0 and visible == rows:
             return platform.sdpa(q, k, v, dropout_p=dropout, is_causal=True, scale=values["scale"], **extra)
+        if dropout == 0 and rows and visible and (gqa or q.shape[-3] == k.shape[-3]):
+            return _offset_attention(q, k, v, min(row_start, visible), values["scale"])
+        # dropout has no log-sum-exp kernel: a boolean mask (NaN isolation not guaranteed here)
         cols = platform.arange(visible, device=q.device)
         row_ids = platform.arange(rows, device=q.device) + row_start
         mask = cols.unsqueeze(0) <= row_ids.unsqueeze(1)
         return platform.sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, scale=values["scale"], **extra)
     return local
+
+
+# ============================================================================ block attention
+def expand_heads(t, groups):
+    return t if groups == 1 else t.repeat_interleave(groups, dim=-3)
+
+
+def fold_heads(t, groups):
+    """Sum the gradients of the query heads that share one k/v head (GQA)."""
+    if groups == 1:
+        return t
+    shape = tuple(t.shape)
+    return t.reshape(shape[:-3] + (shape[-3] // groups, groups) + shape[-2:]).sum(-3)
+
+
+def merge_blocks(acc, out, lse):
+    """Combine two partial attentions over disjoint keys by their log-sum-exp."""
+    if acc is None:
+        return out.to(lse.dtype), lse
+    acc_out, acc_lse = acc
+    new_lse = acc_lse.logaddexp(lse)
+    merged = (acc_out * (acc_lse - new_lse).exp().unsqueeze(-1)
+              + out.to(lse.dtype) * (lse - new_lse).exp().unsqueeze(-1))
+    return merged, new_lse
+
+
+def _pieces(k, prefix):
+    """(key block, causal) pairs: [0, prefix) seen by every row, then the diagonal block."""
+    total = k.shape[k.ndim - 2]
+    blocks = [(0, prefix, False), (prefix, total - prefix, True)]
+    return [(start, length, causal) for start, length, causal in blocks if length]
+
+
+def _offset_forward(ctx, q, k, v, prefix, scale):
+    platform = get_platform()
+    groups, seq = q.shape[-3] // k.shape[-3], k.ndim - 2
+    acc = None
+    for start, length, causal in _pieces(k, prefix):
+        kb, vb = (expand_heads(t.narrow(seq, start, length), groups) for t in (k, v))
+        acc = merge_blocks(acc, *platform.attention_block_forward(q, kb, vb, causal, scale))
+    out = acc[0].to(q.dtype)
+    ctx.save_for_backward(q, k, v, out, acc[1])
+    ctx.prefix, ctx.scale = prefix, scale
+    return out
+
+
+def _offset_backward(ctx, grad_out):
+    platform = get_platform()
+    q, k, v, out, lse = ctx.saved_tensors
+    groups, seq = q.shape[-3] // k.shape[-3], k.ndim - 2
+    grad_out = grad_out.contiguous()
+    dq, dks, dvs = None, [], []
+    for start, length, causal in _pieces(k, ctx.prefix):
+        kb, vb = (expand_heads(t.narrow(seq, start, length), groups) for t in (k, v))
+        dqb, dkb, dvb = platform.attention_block_backward(grad_out, q, kb, vb, out, lse, causal, ctx.scale)
+        dq = dqb if dq is None else dq + dqb
+        dks.append(fold_heads(dkb, groups))
+        dvs.append(fold_heads(dvb, groups))
+    dk, dv = (parts[0] if len(parts) == 1 else platform.cat(parts, seq) for parts in (dks, dvs))
+    return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+_offset_fn = []  # built on first use: this module is imported before a platform may be chosen
+
+
+def _offset_attention(q, k, v, prefix, scale):
+    """Causal attention of L query rows on keys [0, prefix + L'): row i sees keys j <= prefix + i."""
+    if not _offset_fn:
+        _offset_fn.append(get_platform().make_autograd_function(
+            "OffsetCausalAttention", _offset_forward, _offset_backward))
+    return _offset_fn[0](q, k, v, prefix, scale)
