@@ -4,6 +4,7 @@ These are autograd-engine internals (gradient accumulation, ``ones_like`` for ``
 optimizer updates, in-place methods and ops with no user-level rule. Autograd is above this level,
 so the redistributions here are plain (non-differentiable) moves.
 """
+from hyper_parallel.core.dtensor import writeback
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
 from hyper_parallel.core.dtensor.dispatch import check_ring_inputs, common_mesh, ensure_leaf_grad_layout
 from hyper_parallel.core.dtensor.fallback import report_missing_rule
@@ -27,6 +28,27 @@ def _is_inplace(func):
                 and schema.arguments[0].alias_info.is_write)
 
 
+def _written(func, args, kwargs):
+    """(position, keyword) of every argument the op writes into: self for in-place ops, and the
+    others too (batch_norm's running stats, rrelu's noise, ``out=``)."""
+    return [(i, None) if i < len(args) else (None, name) for i, name in _platform.written_arguments(func)]
+
+
+def _mutates_others(func, args, kwargs):
+    return any(pos != 0 for pos, _ in _written(func, args, kwargs))
+
+
+def _write_full_values(func, args, kwargs, local_args, local_kwargs):
+    """After the op ran on replicated copies: lay each written copy out into its DTensor."""
+    for pos, key in _written(func, args, kwargs):
+        target = args[pos] if key is None else kwargs.get(key)
+        if not isinstance(target, DTensor):
+            continue
+        full = local_args[pos] if key is None else local_kwargs[key]
+        replicated = target._spec.with_placements((Replicate(),) * target._spec.mesh.ndim)
+        target._local_tensor.copy_(_move(DTensor._make(full, replicated), target._spec))
+
+
 def _as_spec(x, mesh):
     if isinstance(x, DTensor):
         return x._spec
@@ -40,12 +62,14 @@ def _move(x, spec):
     return as_layout(x, spec)._local_tensor
 
 
-def _wrap_outputs(result, mesh, placements_for, shape_for):
+def _wrap_outputs(result, mesh, placements_for, shape_for, relayout=None):
     leaves, structure = tree_flatten(result)
     out = []
     for i, leaf in enumerate(leaves):
         if _platform.is_tensor(leaf) and not isinstance(leaf, DTensor):
             leaf = DTensor._make(leaf, DTensorSpec(mesh, placements_for(i), shape_for(i, leaf)))
+            if relayout is not None:
+                leaf = relayout(leaf)
         out.append(leaf)
     return tree_unflatten(out, structure)
 
@@ -104,17 +128,23 @@ def _pointwise(func, args, kwargs):
     inplace = _is_inplace(func)
     out_shape = tuple(args[0].shape) if inplace else _platform.broadcast_shapes(*[s.shape for s in dt_specs])
     operands = [_as_spec(a, mesh) for a in args if not isinstance(a, (str, type(None)))]
-    targets, out = elementwise_strategy(_op_name(func), dt_specs, operands, out_shape, mesh.ndim,
-                                        force_out=args[0]._spec.placements if inplace else None)
+    targets, out = elementwise_strategy(_op_name(func), dt_specs, operands, out_shape, mesh.ndim)
     it = iter(targets)
     locals_ = [_move(x, s.with_placements(next(it))) if s is not None else x for x, s in zip(leaves, specs)]
-    if inplace:
-        # the target is updated in place: its own shard must be the one written
-        locals_[0] = args[0]._local_tensor
+    in_own_layout = inplace and out == args[0]._spec.placements
+    if in_own_layout:
+        locals_[0] = args[0]._local_tensor  # the target's own shard is the one written
     local_args, local_kwargs = tree_unflatten(locals_, structure)
     result = func(*local_args, **local_kwargs)
-    if inplace:
+    if in_own_layout:
         return args[0]
+    if inplace:
+        # computed in another layout (e.g. a Partial target of a non-linear op is reduced first):
+        # lay the value out as the target is, so its placements never change under the user
+        target = args[0]
+        moved = DTensor._make(local_args[0], target._spec.with_placements(out))
+        target._local_tensor.copy_(as_layout(moved, target._spec)._local_tensor)
+        return target
     return _wrap_outputs(result, mesh, lambda i: out, lambda i, leaf: out_shape)
 
 
@@ -145,17 +175,71 @@ def _fallback(func, args, kwargs):
     full = [_move(x, x._spec.with_placements(replicate)) if isinstance(x, DTensor) else x for x in leaves]
     local_args, local_kwargs = tree_unflatten(full, structure)
     result = func(*local_args, **local_kwargs)
+    _write_full_values(func, args, kwargs, local_args, local_kwargs)
     if _is_inplace(func):
-        target = args[0]
-        target._local_tensor.copy_(_move(DTensor._make(local_args[0], target._spec.with_placements(replicate)),
-                                         target._spec))
-        return target
+        return args[0]
     return _wrap_outputs(result, mesh, lambda i: replicate, lambda i, leaf: tuple(leaf.shape))
 
 
-_HANDLERS = {"alias": _alias, "like": _like, "new_like": _new_like, "fill": _fill, "pointwise": _pointwise, "foreach": _foreach}
+def _view(func, args, kwargs):
+    """An aten view op with no rule: computed on the replicated value, so the result does not share
+    memory with the input; it remembers how to write an in-place change back (writeback.py)."""
+    result = _fallback(func, args, kwargs)
+    base, rest = args[0], args[1:]
+    outs, _ = tree_flatten(result)
+    for i, out in enumerate(outs):
+        if isinstance(out, DTensor):
+            region = (lambda full, i=i: tree_flatten(func(full, *rest, **kwargs))[0][i])
+            writeback.mark(out, base, region, autograd_view=True)
+    return result
+
+
+def _random(func, args, kwargs):
+    """Random ops draw what one device would draw under the same seed: every rank draws the whole
+    tensor (the ranks' generators must be seeded alike, as for PyTorch DTensor) and keeps its own
+    piece of the result and of every argument the op writes (an in-place fill, rrelu's noise)."""
+    leaves, structure = tree_flatten((args, kwargs))
+    mesh = common_mesh(leaves, _op_name(func))
+    full = [_move(x, _replicated(x._spec)) if isinstance(x, DTensor) else x for x in leaves]
+    local_args, local_kwargs = tree_unflatten(full, structure)
+    result = func(*local_args, **local_kwargs)
+    _write_full_values(func, args, kwargs, local_args, local_kwargs)
+    if _is_inplace(func):
+        return args[0]
+    like = args[0]._spec if isinstance(args[0], DTensor) else None
+    return _wrap_outputs(result, mesh, lambda i: (Replicate(),) * mesh.ndim, lambda i, leaf: tuple(leaf.shape),
+                         relayout=lambda out: _keep_layout(out, like))
+
+
+def _replicated(spec):
+    return spec.with_placements((Replicate(),) * spec.mesh.ndim)
+
+
+def _keep_layout(out, like):
+    """A replicated random output of the input's shape takes the input's (non-partial) layout."""
+    if like is None or tuple(out.shape) != tuple(like.shape):
+        return out
+    return as_layout(out, like.with_placements(grad_placements(like.placements)))
+
+
+def _reshape_in_place(func, args, kwargs):
+    raise NotImplementedError(
+        f"{_op_name(func)} changes a DTensor's shape in place, which would change its layout under every "
+        f"other reference to it; use the out-of-place op ({_op_name(func).rstrip('_')}) and keep its result")
+
+
+_HANDLERS = {"alias": _alias, "like": _like, "new_like": _new_like, "fill": _fill, "pointwise": _pointwise,
+             "foreach": _foreach, "random": _random, "view": _view, "reshape_in_place": _reshape_in_place}
 
 
 def dispatch_aten(func, args, kwargs):
-    handler = _HANDLERS.get(_platform.aten_kind(func), _fallback)
-    return handler(func, args, kwargs)
+    kind = _platform.aten_kind(func)
+    if kind in ("pointwise", "fill") and _mutates_others(func, args, kwargs):
+        kind = None  # out= variants and the like: the fallback writes every written argument
+    result = _HANDLERS.get(kind, _fallback)(func, args, kwargs)
+    for pos, key in _written(func, args, kwargs):
+        target = args[pos] if key is None else kwargs.get(key)
+        for t in target if isinstance(target, (list, tuple)) else [target]:
+            if isinstance(t, DTensor):
+                writeback.write_back(t)
+    return result

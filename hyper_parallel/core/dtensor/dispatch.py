@@ -11,6 +11,10 @@ the work), so its gradient is tagged Partial(sum) and summed where it is next ne
 input's gradient is replicated. This gives PyTorch DTensor's gradient semantics without a rule for
 any backward op.
 """
+import functools
+import inspect
+
+from hyper_parallel.core.dtensor import writeback
 from hyper_parallel.core.dtensor.dtensor import DTensor, GradPassThrough, _from_local, _to_local, as_layout
 from hyper_parallel.core.dtensor.layout import grad_placements
 from hyper_parallel.core.dtensor.ops import get_rule
@@ -138,8 +142,28 @@ def _passthrough(out_placements, input_targets, replicated_out):
     return GradPassThrough(dims) if dims else None
 
 
+@functools.lru_cache(maxsize=None)
+def _inplace_position(func):
+    try:
+        params = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):  # builtins without a Python signature
+        return None
+    return params.index("inplace") if "inplace" in params else None
+
+
+def _asks_in_place(func, args, kwargs):
+    """``F.relu(x, inplace=True)`` and the like. Rules compute out of place, so such calls go down
+    to the level where in-place ops are handled (and keep their layout and every alias)."""
+    if kwargs.get("inplace"):
+        return True
+    pos = _inplace_position(func)
+    return pos is not None and len(args) > pos and bool(args[pos])
+
+
 def dispatch_function(name, func, args, kwargs):
     rule = get_rule(name)
+    if rule is not None and _asks_in_place(func, args, kwargs):
+        rule = None
     if rule is None:
         leaves, _ = tree_flatten((args, kwargs))
         check_ring_inputs(name, leaves)
@@ -163,11 +187,13 @@ def dispatch_function(name, func, args, kwargs):
                else None for leaf in leaves]
     passthrough = _passthrough(out_placements, [t for t in targets if t is not None], replicated_out)
 
-    locals_ = []
+    locals_, moved_view_base = [], None
     for leaf, target in zip(leaves, targets):
         if isinstance(leaf, DTensor):
             ensure_leaf_grad_layout(leaf)
             moved = leaf.redistribute(placements=target)
+            if moved is not leaf and name in VIEW_OPS and moved_view_base is None:
+                moved_view_base = leaf
             grad_spec = moved._spec.with_placements(input_grad_placements(target, replicated_out))
             leaf = _to_local(moved, grad_spec, passthrough)
         locals_.append(leaf)
@@ -186,4 +212,21 @@ def dispatch_function(name, func, args, kwargs):
                 out._hp_ring = True
             k += 1
         wrapped.append(out)
+    if moved_view_base is not None:
+        _mark_views(wrapped, moved_view_base, func, args, kwargs)
     return tree_unflatten(wrapped, out_structure)
+
+
+# Ops whose torch result is a view of their input: when the rule had to move the input first, the
+# result is a copy, and an in-place write into it must still reach the input (writeback.py).
+VIEW_OPS = frozenset({"view", "expand", "transpose", "permute", "movedim", "t", "split", "chunk", "unbind",
+                      "narrow", "getitem"})
+
+
+def _mark_views(outputs, base, func, args, kwargs):
+    rest = args[1:]
+    index = [i for i, out in enumerate(outputs) if isinstance(out, DTensor)]
+    for k, i in enumerate(index):
+        region = (lambda full, k=k: [o for o in tree_flatten(func(full, *rest, **kwargs))[0]
+                                     if _platform.is_tensor(o)][k])
+        writeback.mark(outputs[i], base, region, autograd_view=False)

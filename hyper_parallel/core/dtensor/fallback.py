@@ -1,8 +1,22 @@
 """Ops without a sharding rule: replicate, run, return Replicate — and say so, once per op."""
+import contextlib
 import os
 import warnings
 
 _warned = set()
+_recorders = []
+
+
+@contextlib.contextmanager
+def recording_fallbacks():
+    """Collect the names of the ops that take the fallback inside the block (the op sweep's table
+    and tests use it to tell a rule from a fallback)."""
+    names = set()
+    _recorders.append(names)
+    try:
+        yield names
+    finally:
+        _recorders.remove(names)
 
 
 def strict_dispatch():
@@ -10,6 +24,8 @@ def strict_dispatch():
 
 
 def report_missing_rule(op_name):
+    for names in _recorders:
+        names.add(op_name)
     if strict_dispatch():
         raise NotImplementedError(
             f"hyper_parallel has no sharding rule for {op_name} on DTensor inputs (HP_STRICT_DISPATCH=1). "

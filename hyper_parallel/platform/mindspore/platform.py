@@ -222,8 +222,16 @@ class MindSporePlatform(Platform):
         return None
 
     @staticmethod
+    def written_arguments(func):
+        return []
+
+    @staticmethod
     def op_display_name(func):
         return getattr(func, "__name__", None) or str(func)
+
+    @staticmethod
+    def shares_memory(a, b):
+        return False  # MindSpore's PyNative ops return new tensors, never views
 
     @staticmethod
     def meta_tensor(shape, dtype):

@@ -218,6 +218,25 @@ class Collectives:
         out = tensor.contiguous().clone()
         if n == 1:
             return self._trivial(out, async_op)
+        if op in ("max", "min") and out.is_floating_point():
+            return self._nan_propagating_extreme(out, group, op, async_op, tag)
+        return self._all_reduce(out, group, op, n, async_op, tag)
+
+    def _nan_propagating_extreme(self, out, group, op, async_op, tag):
+        """Backends' max/min drop a NaN where torch.maximum / torch.minimum return it. A NaN flag
+        rides in the same all-reduce (+1 under max, -1 under min, so the op itself merges flags)."""
+        flag = torch.isnan(out).to(out.dtype)
+        packed = torch.stack([out, flag if op == "max" else -flag])
+        n = dist.get_world_size(group)
+
+        def unpack(reduced):
+            return torch.where(reduced[1] != 0, torch.full_like(reduced[0], float("nan")), reduced[0])
+        result = self._all_reduce(packed, group, op, n, async_op, tag)
+        if async_op:
+            return AsyncHandle([result], lambda: unpack(packed))
+        return unpack(result)
+
+    def _all_reduce(self, out, group, op, n, async_op, tag):
         self._record(tag or "all_reduce", 2 * _nbytes(out) * (n - 1) // n, group)
         native_avg = op == "avg" and dist.get_backend(group) == "nccl"
         native = dist.ReduceOp.AVG if native_avg else _REDUCE_OPS[op]

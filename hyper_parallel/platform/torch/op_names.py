@@ -16,6 +16,8 @@ _EXPLICIT = {
              torch.Tensor.unflatten, torch.unflatten, torch.Tensor.view_as, torch.Tensor.reshape_as,
              torch.squeeze, torch.Tensor.squeeze, torch.unsqueeze, torch.Tensor.unsqueeze],
     "expand": [torch.Tensor.expand, torch.Tensor.expand_as],
+    "view_as_real": [torch.view_as_real],
+    "view_as_complex": [torch.view_as_complex],
     "transpose": [torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes,
                   torch.swapdims, torch.Tensor.swapdims],
     "permute": [torch.permute, torch.Tensor.permute],

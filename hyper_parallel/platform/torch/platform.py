@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hyper_parallel.platform.base import Platform
 from hyper_parallel.platform.torch import attention_kernels
 from hyper_parallel.platform.torch import autograd_collectives as ag
-from hyper_parallel.platform.torch.aten_kinds import aten_kind, foreach_to_single
+from hyper_parallel.platform.torch.aten_kinds import aten_kind, foreach_to_single, written_arguments
 from hyper_parallel.platform.torch.collectives import Collectives
 from hyper_parallel.platform.torch.dtensor_base import TorchDTensorBase
 from hyper_parallel.platform.torch.memory import PeakMemory
@@ -226,8 +226,18 @@ class TorchPlatform(Platform):
         return foreach_to_single(func)
 
     @staticmethod
+    def written_arguments(func):
+        """(position, name) of the arguments an aten op writes into."""
+        return written_arguments(func)
+
+    @staticmethod
     def op_display_name(func):
         return getattr(func, "__name__", None) or str(func)
+
+    @staticmethod
+    def shares_memory(a, b):
+        """Whether two tensors are views of one storage (a write into one shows in the other)."""
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
     @staticmethod
     def meta_tensor(shape, dtype):

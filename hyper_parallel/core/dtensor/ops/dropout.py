@@ -4,29 +4,37 @@ The output has the input's placements, except that a Partial input is reduced to
 (a random mask does not commute with the sum over ranks). When dropout is the identity
 (``p == 0`` or not training) a Partial input stays Partial and nothing moves.
 
-RNG caveat: every rank draws the mask for its own local shard from its own generator.
-* Sharded inputs: the masks of different shards come from the ranks' generators, so the global
-  mask is a valid dropout mask (each element kept with probability 1 - p) only when the ranks'
-  generators are *independent*; with identically seeded generators, equal-shaped shards get the
-  same mask pattern. And the result never equals a single-device dropout of the full tensor with
-  the same seed (PyTorch DTensor's offset-based RNG tracker is not implemented here).
-* Replicated inputs: every rank computes the whole output, so the masks agree (and the output is
-  truly replicated) only when the ranks' generators are in the same state — seed them alike and
-  make the same random draws on every rank.
-There is no per-placement RNG tracker, so one generator state cannot serve both at once: seed the
-ranks differently when dropout runs on sharded activations (the usual case under sequence / tensor
-parallelism), alike when it runs on replicated ones. ``inplace=True`` has no rule: it runs at the aten level, where
-the mask (``bernoulli_``) takes the warned replicated fallback — each rank draws a full-size mask
-and keeps its own slice — and the multiply runs on the shards.
+Randomness: a sharded dropout equals the single-device dropout of the full tensor under the same
+seed. Every rank draws the mask of the whole tensor (dropout of a tensor of ones: the kept
+elements scaled by 1/(1-p), the same draws one device makes for the full input) and multiplies
+its own shard by its piece of it. The ranks' generators must therefore be seeded alike, as for
+PyTorch DTensor; they then stay in step, since every rank draws the same number of values. The
+price is a full-size draw on every rank. ``inplace=True`` runs at the aten level, where random
+ops draw the same way.
 """
+from hyper_parallel.core.dtensor.layout import local_box
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Replicate
+from hyper_parallel.platform import get_platform
 
 
 def _is_identity(call):
     training = call.arg(2, "training", call.kwargs.get("train", True))
     p = call.arg(1, "p", 0.5)
     return not training or p == 0
+
+
+def _whole_mask_local(spec_placements):
+    def local(call, args, kwargs):
+        x = args[0] if args else kwargs["input"]
+        shape = call.out_shapes[0]
+        ones = get_platform().zeros(shape, dtype=x.dtype, device=getattr(x, "device", None)) + 1
+        rest = {k: v for k, v in kwargs.items() if k != "input"}
+        mask = call.func(ones, *args[1:], **rest)
+        mesh = call.mesh
+        box = local_box(shape, spec_placements, mesh.mesh_shape, mesh.get_coordinate())
+        return x * mask[tuple(slice(start, start + size) for start, size in box)]
+    return local
 
 
 @register_rule("dropout")
@@ -37,7 +45,8 @@ def dropout_rule(call):
         return None
     identity = _is_identity(call)
     placements = tuple(Replicate() if p.is_partial() and not identity else p for p in spec.placements)
-    return OpStrategy(inputs=[placements] + [None] * (len(call.specs) - 1), outputs=placements)
+    local = None if identity else _whole_mask_local(placements)
+    return OpStrategy(inputs=[placements] + [None] * (len(call.specs) - 1), outputs=placements, local=local)
 
 
 __all__ = ["dropout_rule"]

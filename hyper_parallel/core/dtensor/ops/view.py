@@ -157,4 +157,17 @@ def identity_rule(call):
     return OpStrategy(inputs=[src.placements] + others[1:], outputs=src.placements)
 
 
+@register_rule("view_as_real", "view_as_complex")
+def complex_view_rule(call):
+    """view_as_real appends a dim of 2 (real, imaginary); view_as_complex folds it away, so that dim
+    must be whole. Other shards keep their dims, and a Partial stays Partial (both are linear)."""
+    x = call.args[0] if call.args else call.kwargs.get("input")
+    spec = call.spec(x)
+    if spec is None or call.index(x) != 0 or len(call.specs) != 1:
+        return None
+    folds = call.name == "view_as_complex"
+    inputs = tuple(Replicate() if folds and p.is_shard(spec.ndim - 1) else p for p in spec.placements)
+    return OpStrategy(inputs=[inputs], outputs=inputs)
+
+
 __all__ = ["reshape_groups", "reshape_placements"]
