@@ -46,7 +46,7 @@ def parallelize_module(module, device_mesh=None, parallelize_plan=None, *, src_d
         if not isinstance(style, (ParallelStyle, dict)):
             raise ValueError(f"parallelize_plan[{pattern!r}] must be a ParallelStyle or a plan dict, got "
                              f"{type(style).__name__}")
-        matched = _apply_pattern(module, pattern.split("."), style, device_mesh, src_data_rank)
+        matched = _apply_pattern(module, pattern.split("."), style, device_mesh, src_data_rank, "")
         if not matched:
             children = [name for name, _ in get_platform().named_children(module)]
             warnings.warn(f"parallelize_module: plan entry {pattern!r} matched no submodule of "
@@ -54,16 +54,32 @@ def parallelize_module(module, device_mesh=None, parallelize_plan=None, *, src_d
     return module
 
 
-def _apply_pattern(module, atoms, style, mesh, src_data_rank):
-    """Apply ``style`` to every submodule whose path matches ``atoms``; return how many."""
+def _apply_pattern(module, atoms, style, mesh, src_data_rank, prefix):
+    """Apply ``style`` to every submodule whose path matches ``atoms``; return how many. A style
+    that rejects a module raises a ValueError that starts with the module's fully qualified name."""
     head, rest = atoms[0], atoms[1:]
     count = 0
     for name, child in get_platform().named_children(module):
         if not fnmatch.fnmatchcase(name, head):
             continue
+        fqn = f"{prefix}{name}"
         if rest:
-            count += _apply_pattern(child, rest, style, mesh, src_data_rank)
-        else:
+            count += _apply_pattern(child, rest, style, mesh, src_data_rank, fqn + ".")
+            continue
+        try:
             parallelize_module(child, mesh, style, src_data_rank=src_data_rank)
-            count += 1
+        except ValueError as exc:
+            raise _named(exc, fqn, child) from exc
+        count += 1
     return count
+
+
+def _named(exc, fqn, child):
+    """``exc`` with the module's path (from the top of the plan) in front of its message."""
+    inner = getattr(exc, "hp_fqn", None)
+    path = f"{fqn}.{inner[0]}" if inner else fqn
+    kind = inner[1] if inner else type(child).__name__
+    reason = inner[2] if inner else str(exc)
+    error = ValueError(f"parallelize_module: module {path!r} ({kind}): {reason}")
+    error.hp_fqn = (path, kind, reason)
+    return error
