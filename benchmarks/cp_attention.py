@@ -37,8 +37,57 @@ def parse_args(argv=None):
     p.add_argument("--sweep", action="store_true", help="also time a sequence-length sweep (for --plot)")
     p.add_argument("--compare", action="store_true", help="add rows for peer implementations when importable")
     args = p.parse_args(argv)
+    problem = _invalid(args)
+    if problem:  # one line, exit status 2, before any rank starts
+        print(f"{p.prog}: error: {problem}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     args.kv_heads = args.kv_heads or args.heads
     return args
+
+
+def _invalid(args):
+    """Why the arguments cannot run (naming the value and the fix), or None."""
+    positive = ("nproc", "batch", "seq", "heads", "head_dim", "iters")
+    for name in positive + ("kv_heads",):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')} {value}: must be a positive integer"
+    if args.warmup < 0:
+        return f"--warmup {args.warmup}: must be 0 or more"
+    if args.kv_heads is not None and args.heads % args.kv_heads:
+        return f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads} (grouped-query attention)"
+    if args.modes != "all":
+        names = [m.strip() for m in args.modes.split(",")]
+        from benchmarks.cp_modes import MODES  # only here: it imports the framework
+        known = [m.name for m in MODES]
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            return f"--modes: unknown mode(s) {', '.join(map(repr, unknown))}; known: all, {', '.join(known)}"
+    for flag in ("json", "plot"):
+        path = getattr(args, flag)
+        if path is not None:
+            why = _unwritable(path)
+            if why:
+                return f"--{flag} {path}: cannot write there ({why})"
+    return None
+
+
+def _unwritable(path):
+    """Why ``path`` cannot be written (probed by opening it for appending), or None."""
+    if os.path.isdir(path):
+        return "it is a directory"
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    if not existed:
+        try:
+            os.remove(path)
+        except OSError:  # another rank probing the same path removed it first
+            pass
+    return None
 
 
 def main(argv=None):
@@ -84,7 +133,8 @@ def run_rank(args):
         print(header(args, world, platform.name, platform.capabilities()), flush=True)
 
     peers, no_peers = _peers(args, fw)
-    modes = [m for m in MODES if args.modes == "all" or m.name in args.modes.split(",")] + peers
+    wanted = [m.strip() for m in args.modes.split(",")]
+    modes = [m for m in MODES if args.modes == "all" or m.name in wanted] + peers
     bench = _Bench(args, mesh, platform, fw)
     rows = [bench.reference()]
     for i, mode in enumerate(modes):

@@ -60,6 +60,29 @@ def test_benchmark_fails_when_error_exceeds_tolerance(tmp_path):
     assert "error above tolerance" in proc.stdout and "in: ulysses" in proc.stdout, proc.stdout[-2000:]
 
 
+@pytest.mark.parametrize("args, needle", [
+    (("--nproc", "0"), "--nproc 0"), (("--iters", "0"), "--iters 0"), (("--batch", "0"), "--batch 0"),
+    (("--seq", "-8"), "--seq -8"), (("--head-dim", "0"), "--head-dim 0"), (("--warmup", "-1"), "--warmup -1"),
+    (("--kv-heads", "3"), "--kv-heads 3"), (("--modes", "ulysses,ulyses"), "'ulyses'"),
+    (("--json", "{file}/out.json"), "--json {file}/out.json"), (("--plot", "{tmp}"), "--plot {tmp}"),
+], ids=["nproc0", "iters0", "batch0", "seq-neg", "head-dim0", "warmup-neg", "kv-heads", "modes", "json", "plot"])
+def test_benchmark_rejects_bad_arguments(tmp_path, args, needle):
+    """Exit status 2 and one line naming the bad value, before any rank starts (nothing on stdout,
+    no JSON written)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")  # a path below a regular file cannot be created
+    fill = {"file": str(blocker), "tmp": str(tmp_path)}
+    args = [a.format(**fill) for a in args]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.cp_attention", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle.format(**fill) in lines[0], proc.stderr
+    assert proc.stdout == "", proc.stdout[-2000:]  # no header: no rank ran
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
 # ------------------------------------------------------------------------------------------ MindSpore
 def _ms_env(extra_pythonpath=None):
     """The environment for the benchmark under the MindSpore interpreter, as a user would start it:
