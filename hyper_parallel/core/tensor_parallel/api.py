@@ -22,7 +22,8 @@ def parallelize_module(module, device_mesh=None, parallelize_plan=None, *, src_d
 
     ``src_data_rank``: the rank within ``device_mesh`` (as in PyTorch: 0 is the first rank of each
     tensor-parallel group) whose parameter values are sharded out; the others' initial values are
-    ignored. ``None`` makes every rank slice its own copy, with no communication.
+    ignored. ``None`` makes every rank slice its own copy (no data moves; a small metadata check
+    still confirms that every rank's parameter has the same shape and dtype).
     """
     if device_mesh is None:
         device_mesh = current_mesh()
