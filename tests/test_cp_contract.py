@@ -93,7 +93,8 @@ def _hf_check(rank, world, mesh, style, out, S=16, H=8, proj=False, batch=B):
     linear = torch.nn.Linear(H * D, 3)
     ref_leaves = [_leaf(t) for t in (q, k, v)]
     ref = _attention("bnsd", out)(*ref_leaves)
-    w = torch.randn(ref.shape if not proj else ref.shape[:2] + (3,), generator=torch.Generator().manual_seed(9))
+    w_shape = ref.shape if not proj else ref.shape[:2] + (3,)
+    w = torch.randn(w_shape, generator=torch.Generator().manual_seed(9))
     head = linear(ref.reshape(batch, S, -1)) if proj else ref
     (head * w).sum().backward()
     dist_linear = copy.deepcopy(linear)
@@ -163,7 +164,8 @@ def _mixed_tp_check(rank, mesh, style, layout, kv_kind, Hkv=None):
     assert isinstance(got, DTensor) and tuple(got.placements) == (Shard(head),), what
     _close(got.full_tensor(), ref.chunk(2, seq)[c], f"out {what}")
     got.to_local().sum().backward()
-    _close(q_block.grad, ref_leaves[0].grad.chunk(2, seq)[c].chunk(2, head)[tp.get_local_rank()], f"dq {what}")
+    dq = ref_leaves[0].grad.chunk(2, seq)[c].chunk(2, head)[tp.get_local_rank()]
+    _close(q_block.grad, dq, f"dq {what}")
     for name, leaf, ref_leaf in zip("kv", blocks[1:], ref_leaves[1:]):
         _close(leaf.grad, ref_leaf.grad.chunk(2, seq)[c], f"d{name} {what}")
 
@@ -199,3 +201,107 @@ def test_mixed_qkv_placements():
     """q head-sharded on TP with k/v replicated (or plain) in every mode, GQA, both layouts; CP
     DTensor q with plain / replicated k/v; impossible mixes are ValueErrors."""
     assert run_dist(4, _mixed_case, timeout=600) == [True] * 4
+
+
+# ============================================================================ dims and ranks
+def _dims_and_ranks_case(rank, world):
+    """Bad dims, shapes that contradict the dims, and inputs that differ across ranks: a
+    ValueError on every rank, in every mode, before any data moves; the ranks stay in step."""
+    import torch
+    from hyper_parallel import ContextParallel, init_device_mesh
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    q, k, v = (t.chunk(world, 1)[rank] for t in _inputs("bshd", 16, 8))
+    k4, v4 = (t.chunk(world, 1)[rank] for t in _inputs("bshd", 16, 8, Hkv=4)[1:])
+
+    def call(style, *qkv, **dims):
+        return ContextParallel(**{**style, **dims}).apply(_attention("bshd", "same"), mesh)(*qkv)
+    for style in (UL, AG, LB, RING):
+        for dims, words in (({"seq_dim": 4}, ("seq_dim=4", "out of range")),
+                            ({"seq_dim": -5}, ("seq_dim=-5", "out of range")),
+                            ({"head_dim": 7}, ("head_dim=7", "out of range")),
+                            ({"seq_dim": -3, "head_dim": 1}, ("seq_dim=-3", "same dim 1"))):
+            _expect_value_error(lambda: call(style, q, k, v, **dims), *words)
+        # BNSD dims on BSHD data with GQA: only the other layout fits
+        _expect_value_error(lambda: call(style, q, k4, v4, seq_dim=2, head_dim=1), "seq_dim=1, head_dim=2")
+        q6 = torch.randn(B, q.shape[1], 6, D)
+        _expect_value_error(lambda: call(style, q6, k4, v4), "6 heads", "divide")
+        _expect_value_error(lambda: call(style, q, k, v4), "k (", "v (")
+        # across ranks: dtype, ndim, length (rank 0 differs); then an empty block (S = 0)
+        _expect_value_error(lambda: call(style, q.double() if rank == 0 else q, k, v),
+                            "q of different dtypes")
+        _expect_value_error(lambda: call(style, q, k[0] if rank == 0 else k, v), "different numbers of dims")
+        _expect_value_error(lambda: call(style, *(t[:, :1] if rank == 0 else t for t in (q, k, v))),
+                            "different shapes")
+        _expect_value_error(lambda: call(style, *(t[:, :0] for t in (q, k, v))), "empty")
+        if rank < world - 1:   # S = world - 1 < cp: the last rank has no token
+            _expect_value_error(lambda: call(style, *(t[:, :1] for t in (q, k, v))), "different shapes")
+        else:
+            _expect_value_error(lambda: call(style, *(t[:, :0] for t in (q, k, v))), "different shapes")
+    _hf_check(rank, world, mesh, RING, "bshd")   # still in step
+    return True
+
+
+def test_dims_and_mismatched_ranks():
+    assert run_dist(4, _dims_and_ranks_case, timeout=300) == [True] * 4
+
+
+# ============================================================================ NaN / inf isolation
+def _non_finite_check(rank, world, mesh, style, layout, which, bad):
+    """A NaN/inf in k or v at key j (in rank 2's block) against single-device causal sdpa."""
+    import torch
+    seq = LAYOUTS[layout][0]
+    S, j = 16, 9
+    full = _inputs(layout, S, 8)
+    w = torch.randn(full[0].shape, generator=torch.Generator().manual_seed(3))
+    results = {}
+    for tag in ("bad", "clean"):
+        t = full["qkv".index(which)].clone()
+        t.select(seq, j).fill_(bad if tag == "bad" else 0.0)
+        inputs = [t if n == which else full["qkv".index(n)] for n in "qkv"]
+        ref_leaves = [_leaf(x) for x in inputs]
+        ref = _attention(layout, "same")(*ref_leaves)
+        (ref * w).sum().backward()
+        leaves = [_leaf(x.chunk(world, seq)[rank]) for x in inputs]
+        got = _cp(style, mesh, layout, "same")(*leaves)
+        (got * w.chunk(world, seq)[rank]).sum().backward()
+        mine = lambda x: x.chunk(world, seq)[rank]   # noqa: E731
+        results[tag] = [(got.detach(), mine(ref.detach()))] + [(a.grad, mine(b.grad)) for a, b in
+                                                               zip(leaves, ref_leaves)]
+    attends = torch.zeros(S, dtype=torch.bool)
+    attends[j:] = True
+    attends = attends.chunk(world)[rank].view([-1 if d == seq else 1 for d in range(4)])
+    for i, name in enumerate(("out", "dq", "dk", "dv")):
+        what = f"{name} {which}[{j}]={bad} {style} {layout}"
+        (got, ref), (_, clean) = results["bad"][i], results["clean"][i]
+        got_bad, ref_bad = ~torch.isfinite(got), ~torch.isfinite(ref)
+        # never a non-finite output/dq single device keeps finite; a finite value is single device's,
+        # or, where single device is non-finite, attention without the bad key: never a wrong number
+        if name in ("out", "dq"):   # a row's own output and gradient; dk/dv mix all rows
+            assert not (got_bad & ~ref_bad).any(), f"{what}: non-finite where single device is finite"
+        want = torch.where(ref_bad, clean, ref)
+        _close(torch.where(got_bad, want, got), want, what)
+        if name == "out" and which == "k":   # masked scores never include the key: exact
+            assert torch.equal(got_bad, ref_bad), f"{what}: non-finite {got_bad} != single device {ref_bad}"
+        elif name == "out":
+            # a bad value reaches rows that skip it only through 0 * NaN in a kernel's P @ V, which
+            # single device (and a mode running its kernel on whole rows) does; the rows that
+            # attend to it are non-finite everywhere
+            must = ref_bad & attends.expand_as(ref_bad)
+            assert not (must & ~got_bad).any(), f"{what}: finite where the row attends to the bad value"
+
+
+def _nan_case(rank, world):
+    from hyper_parallel import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    for style in ALL_MODES:
+        for layout in LAYOUTS:
+            for which in "kv":
+                _non_finite_check(rank, world, mesh, style, layout, which, float("nan"))
+        _non_finite_check(rank, world, mesh, style, "bshd", "k", float("inf"))
+    return True
+
+
+def test_non_finite_keys_stay_out_of_masked_rows():
+    """Single device causal sdpa keeps a NaN/inf key out of the rows that cannot see it; every
+    mode must give exactly its non-finite outputs (for k) and never a wrong finite value."""
+    assert run_dist(4, _nan_case, timeout=600) == [True] * 4

@@ -69,8 +69,8 @@ def normalise_dims(style, ndims):
                              f"{-ndim}..{ndim - 1}); {_LAYOUT_HINT}")
         dims.append(d + ndim if d < 0 else d)
     if dims[0] == dims[1]:
-        raise ValueError(f"ContextParallel: seq_dim={style.seq_dim} and head_dim={style.head_dim} are the same "
-                         f"dim {dims[0]} of {ndim}-dim q/k/v; {_LAYOUT_HINT}")
+        raise ValueError(f"ContextParallel: seq_dim={style.seq_dim} and head_dim={style.head_dim} are the "
+                         f"same dim {dims[0]} of {ndim}-dim q/k/v; {_LAYOUT_HINT}")
     return tuple(dims)
 
 
@@ -81,8 +81,8 @@ def _problem(shapes, seq, head):
         return (f"the local sequence block is empty (q has 0 tokens on dim {seq}); every rank needs at least "
                 f"one token: make the global sequence at least the CP size (pad it to a multiple of it)")
     if (k[seq], k[head]) != (v[seq], v[head]):
-        return (f"k {k} and v {v} differ on the sequence dim {seq} or the head dim {head}; they must hold the "
-                f"same tokens and heads")
+        return (f"k {k} and v {v} differ on the sequence dim {seq} or the head dim {head}; they must "
+                f"hold the same tokens and heads")
     if q[seq] != k[seq]:
         return (f"q {q} has {q[seq]} tokens on the sequence dim {seq} but k/v {k} have {k[seq]}; "
                 f"ContextParallel splits one sequence, so q, k and v need the same length")

@@ -55,8 +55,9 @@ def _block_shape(t, policy, seq, cp_mesh):
     shape = list(t.shape)
     if isinstance(t, DTensor) and policy != "foreign":
         if shape[seq] % cp_mesh.size():
-            raise ValueError(f"ContextParallel: a DTensor input has global sequence length {shape[seq]}, not "
-                             f"divisible by the CP size {cp_mesh.size()}; pad the sequence to a multiple of it")
+            raise ValueError(f"ContextParallel: a DTensor input has global sequence length {shape[seq]}, "
+                             f"not divisible by the CP size {cp_mesh.size()}; pad the sequence to a "
+                             f"multiple of it")
         shape[seq] //= cp_mesh.size()
     return tuple(shape)
 
@@ -99,9 +100,9 @@ def _like_q(t, name, q):
         for m, p in enumerate(q.placements):
             parts *= own.size(m) if p.is_shard(d) else 1
         if t.shape[d] % parts:
-            raise ValueError(f"ContextParallel: {name} has {t.shape[d]} entries on dim {d}, which q's placements "
-                             f"{tuple(q.placements)} split {parts} ways; split k and v as q is split, or make "
-                             f"that dim divisible")
+            raise ValueError(f"ContextParallel: {name} has {t.shape[d]} entries on dim {d}, which q's "
+                             f"placements {tuple(q.placements)} split {parts} ways; split k and v as q is "
+                             f"split, or make that dim divisible")
     return t.redistribute(placements=tuple(q.placements))
 
 
@@ -133,9 +134,9 @@ def _validate(style, inputs, ulysses_dims):
         ds *= inputs.mesh.size(m)
     for name, t in (("q", q_local), ("k/v", k_local)):
         if t.shape[inputs.head] % ds:
-            raise ValueError(f"ContextParallel: {name} has {t.shape[inputs.head]} heads here, not divisible by "
-                             f"ulysses_degree={ds}; choose a ulysses_degree that divides the head count "
-                             f"(ulysses_degree=1 is all-gather KV and has no head constraint)")
+            raise ValueError(f"ContextParallel: {name} has {t.shape[inputs.head]} heads here, not "
+                             f"divisible by ulysses_degree={ds}; choose a ulysses_degree that divides the "
+                             f"head count (ulysses_degree=1 is all-gather KV and has no head constraint)")
     if style.load_balance and q_local.shape[inputs.seq] % 2:
         raise ValueError(f"ContextParallel(load_balance=True): the local sequence length "
                          f"{q_local.shape[inputs.seq]} is odd; it must split into two equal halves")

@@ -59,7 +59,8 @@ def _in_q_layout(out, inputs, ulysses_dims):
 
 def caller_placements(placements, mesh, ndim, seq, cp_dims):
     """``placements`` with every CP mesh dim moved onto ``seq`` (contiguous blocks, outer first)."""
-    orders = [[m for m in order if m not in cp_dims] for order in shard_orders(placements, mesh.mesh_shape, ndim)]
+    orders = [[m for m in order if m not in cp_dims]
+              for order in shard_orders(placements, mesh.mesh_shape, ndim)]
     orders[seq] = list(cp_dims) + orders[seq]
     non_shard = [Replicate() if (p.is_shard() or m in cp_dims) else p for m, p in enumerate(placements)]
     return placements_from_orders(orders, non_shard, mesh.mesh_shape)
