@@ -1,4 +1,6 @@
 """Classify the aten ops that reach a DTensor below autograd (see dtensor_base.py)."""
+import functools
+
 import torch
 
 aten = torch.ops.aten
@@ -14,6 +16,7 @@ _RESHAPE_IN_PLACE = {"t_", "transpose_", "swapdims_", "swapaxes_", "squeeze_", "
                      "resize_as_", "as_strided_", "set_", "unfold_"}
 
 
+@functools.lru_cache(maxsize=None)
 def aten_kind(func):
     """One of "alias", "like", "new_like", "fill", "foreach", "random", "pointwise", "view",
     "reshape_in_place", or None (no generic rule)."""
@@ -60,10 +63,11 @@ _UNMARKED_WRITES = {"native_batch_norm": ("running_mean", "running_var"),
                     "miopen_batch_norm": ("running_mean", "running_var")}
 
 
+@functools.lru_cache(maxsize=None)
 def written_arguments(func):
     """(position, name) of every schema argument ``func`` writes into."""
     schema = func._schema
     extra = _UNMARKED_WRITES.get(func.overloadpacket.__name__, ())
-    return [(i, arg.name) for i, arg in enumerate(schema.arguments)
-            if (arg.alias_info is not None and arg.alias_info.is_write) or arg.name in extra]
+    return tuple((i, arg.name) for i, arg in enumerate(schema.arguments)
+                 if (arg.alias_info is not None and arg.alias_info.is_write) or arg.name in extra)
 
