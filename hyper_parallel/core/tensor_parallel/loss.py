@@ -15,7 +15,9 @@ def loss_parallel():
     never the logits. The loss is a replicated DTensor; ``loss.backward()`` works inside or
     outside the context. Supported: class-index or probability targets, ``reduction``
     mean/sum/none, ``ignore_index``, ``label_smoothing``. With ``weight=`` the class dim is
-    gathered first (correct, not communication-free).
+    gathered first (correct, not communication-free). Labels outside ``[0, C)`` other than
+    ``ignore_index`` raise ``IndexError`` on every rank (one host read of a flag per call).
+    On MindSpore entering the context raises ``NotImplementedError`` (see the message).
 
     Example::
 
@@ -23,6 +25,16 @@ def loss_parallel():
             loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
             loss.backward()
     """
+    from hyper_parallel.platform import get_platform
+    if get_platform().name == "mindspore":
+        # MindSpore's ops.cross_entropy is composed in Python of primitives (logsumexp, GatherD,
+        # masked_fill...), so no single op reaches the vocab-parallel rule; a context that changed
+        # nothing would let users believe the logits stay sharded
+        raise NotImplementedError(
+            "loss_parallel() is not available on MindSpore: ops.cross_entropy is composed of "
+            "primitives that never reach the vocab-parallel rule. ops.cross_entropy on "
+            "vocab-sharded DTensor logits outside the context is correct (its log-softmax stays "
+            "sharded; the label pick takes the replicated fallback, which gathers the log-probs)")
     _loss_rules.enter_loss_parallel()
     try:
         yield

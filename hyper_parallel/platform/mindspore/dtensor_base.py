@@ -17,6 +17,8 @@ rank's shard; the Python-level reads are overridden here: ``shape``/``ndim``/``s
 shape, indexing goes through the sharding rules, and conversions to numbers or arrays
 (``asnumpy``, ``item``, ``tolist``, ``float``...) raise unless the value is a single element
 (use ``full_tensor()`` or ``to_local()``). In-place operators on a DTensor are not supported.
+A one-element DTensor made while a graph is recorded holds a NaN linked to its local tensor
+instead (``_ScalarLink``), so that a DTensor loss returned to ``ms.grad`` is differentiated.
 
 Gradients flow through MindSpore's autograd on the local tensors (``autograd.py`` explains how a
 gradient's placements travel with it). Parameters: :func:`set_dtensor_parameter` keeps the local
@@ -51,6 +53,8 @@ class MindSporeDTensorBase(ms.Tensor):
 
     def __new__(cls, local_tensor, global_shape, requires_grad=False):
         placeholder = _placeholder(local_tensor.dtype)
+        if math.prod(global_shape) == 1 and _records_gradient(local_tensor):
+            placeholder = _ScalarLink.apply(local_tensor, tuple(int(s) for s in global_shape))
         obj = ms.Tensor.__new__(cls, placeholder)
         ms.Tensor.__init__(obj, placeholder)
         obj._hp_shape = tuple(int(s) for s in global_shape)
@@ -206,6 +210,55 @@ def _placeholder(dtype):
     if empty is None:
         empty = _PLACEHOLDERS[dtype] = ms.Tensor(np.zeros((0,), ms.dtype_to_nptype(dtype)))
     return empty
+
+
+def _records_gradient(local_tensor):
+    from mindspore.common.api import _pynative_executor
+    return isinstance(local_tensor, ms.Tensor) and local_tensor.dtype in _FLOATS and \
+        bool(_pynative_executor.requires_grad())
+
+
+_FLOATS = (ms.float16, ms.float32, ms.float64, ms.bfloat16)
+
+
+class _LazyScalarLink:
+    """The data of a one-element DTensor made while MindSpore records a graph: a NaN of the global
+    shape, computed from the local tensor by a custom Function. ``ms.grad`` / ``value_and_grad``
+    differentiate the object a function returns, and a DTensor's own data is otherwise a constant
+    placeholder outside the graph, so a returned DTensor loss gave zero gradients. Linked this way,
+    the engine's seed (1, or the sens the user passes) reaches the local tensor as the gradient in
+    the canonical layout: the whole gradient on every rank for Replicate and Partial (d loss / d
+    summand = 1), this rank's piece for Shard. NaN, not the local value: a path that reads the data
+    without ``__fallback__`` would otherwise take one rank's summand of a Partial loss as the loss.
+    Only one-element DTensors are linked (a custom Function costs ~1 ms in PyNative; losses are
+    scalars); a non-scalar DTensor returned to ``ms.grad`` is documented as unsupported."""
+    _cls = None
+
+    def apply(self, local, shape):
+        if _LazyScalarLink._cls is None:
+            _LazyScalarLink._cls = _scalar_link_class()
+        return _LazyScalarLink._cls.apply(local, shape)
+
+
+def _scalar_link_class():
+    from mindspore import ops
+    from mindspore.common._grad_function import _Function
+
+    class ScalarLink(_Function):
+        @staticmethod
+        def forward(ctx, local, shape):
+            ctx.local_shape, ctx.dtype = tuple(local.shape), local.dtype
+            return ops.full(shape, float("nan"), dtype=local.dtype)
+
+        @staticmethod
+        def backward(ctx, grad):
+            if math.prod(ctx.local_shape) == 0:   # the empty piece of an uneven Shard
+                return ops.zeros(ctx.local_shape, ctx.dtype), None
+            return grad.reshape(ctx.local_shape).astype(ctx.dtype), None
+    return ScalarLink
+
+
+_ScalarLink = _LazyScalarLink()
 
 
 class _GetItem:
