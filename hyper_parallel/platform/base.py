@@ -149,6 +149,11 @@ class Platform:
     def register_forward_hook(self, module, hook, with_kwargs=False):
         raise NotImplementedError
 
+    def register_grad_ready_hooks(self, params, on_ready, on_backward_end):
+        """``on_ready(param)`` once ``param.grad`` holds this backward's gradient, ``on_backward_end()``
+        once at the end of each backward that readied one of ``params``; returns a remover."""
+        raise NotImplementedError
+
     def is_linear(self, module):
         raise NotImplementedError
 

@@ -311,6 +311,26 @@ class TorchPlatform(Platform):
         return restore
 
     @staticmethod
+    def register_grad_ready_hooks(params, on_ready, on_backward_end):
+        """Per-parameter post-accumulate-grad hooks (fired as backward reaches each parameter, so
+        communication overlaps the rest of backward) plus one engine callback per backward."""
+        last_task = [None]
+
+        def hook(param):
+            # keyed by the engine's graph task, so a backward that raised cannot block the next one
+            task = torch._C._current_graph_task_id()
+            if task != last_task[0]:
+                last_task[0] = task
+                torch.autograd.Variable._execution_engine.queue_callback(on_backward_end)
+            on_ready(param)
+        handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
+
+        def remove():
+            for handle in handles:
+                handle.remove()
+        return remove
+
+    @staticmethod
     def is_linear(module):
         return isinstance(module, torch.nn.Linear)
 
