@@ -153,11 +153,6 @@ def make_autograd_function(name, forward, backward):
                 extra = {k: v for k, v in vars(proto).items() if k not in ("_local_tensor", "_spec")}
                 vars(wrapped).update(extra)
                 wrapped._hp_gslot = _GradSlot()
-                if wrapped.numel() == 1:
-                    # a one-element DTensor may also be differentiated as the value returned to
-                    # ms.grad (dtensor_base._ScalarLink), whose gradient is in the canonical layout:
-                    # count that as a consumer, so every contribution is made canonical
-                    wrapped._hp_gslot.consumers = 1
                 final.append(wrapped)
             else:
                 final.append(local)
