@@ -2,7 +2,20 @@
 op sweep's table (tests/test_op_sweep.py) when it ran."""
 import sys
 
+import pytest
+
 from tests.harness import shutdown_pools
+
+
+def pytest_collection_modifyitems(config, items):
+    """The full op sweep runs only when asked for by name (-m op_sweep_full); any other -m, or none,
+    leaves it out."""
+    if "op_sweep_full" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="the full op sweep is opt-in: pytest -m op_sweep_full")
+    for item in items:
+        if "op_sweep_full" in item.keywords:
+            item.add_marker(skip)
 
 
 def pytest_sessionfinish(session, exitstatus):

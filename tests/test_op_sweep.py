@@ -48,15 +48,18 @@ def _run(title, mesh_shape, every, samples, layouts):
     return counts
 
 
+@pytest.mark.timeout(1200)
 def test_op_sweep_every_op_on_a_1d_mesh():
     _run("op sweep, mesh (2,), 1 sample x 2 layouts", (2,), every=1, samples=1, layouts=2)
 
 
+@pytest.mark.timeout(1200)
 def test_op_sweep_sampled_on_a_2d_mesh():
     _run("op sweep, mesh (2, 2), every 4th op", (2, 2), every=4, samples=1, layouts=1)
 
 
 @pytest.mark.op_sweep_full
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)])
 def test_op_sweep_full(mesh_shape):
     _run(f"full op sweep, mesh {mesh_shape}", mesh_shape, every=1, samples=3, layouts=3)
@@ -67,7 +70,8 @@ def format_tables():
     lines = []
     for title, table in TABLES.items():
         counts = Counter(s["status"] for s in table.values())
-        lines.append(f"{title}: {len(table)} ops: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+        tally = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        lines.append(f"{title}: {len(table)} ops: {tally}")
         for op, s in sorted(table.items()):
             if s["status"] == "fallback":
                 lines.append(f"  fallback  {op:<40} {', '.join(s['fallback'])[:100]}")

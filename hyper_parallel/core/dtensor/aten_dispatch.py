@@ -8,6 +8,7 @@ from hyper_parallel.core.dtensor import writeback
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
 from hyper_parallel.core.dtensor.dispatch import check_ring_inputs, common_mesh, ensure_leaf_grad_layout
 from hyper_parallel.core.dtensor.fallback import report_missing_rule
+from hyper_parallel.core.dtensor.inplace_shape import reshape_in_place
 from hyper_parallel.core.dtensor.layout import grad_placements
 from hyper_parallel.core.dtensor.ops.elementwise import elementwise_strategy
 from hyper_parallel.core.dtensor.placement_types import Replicate
@@ -181,17 +182,84 @@ def _fallback(func, args, kwargs):
     return _wrap_outputs(result, mesh, lambda i: replicate, lambda i, leaf: tuple(leaf.shape))
 
 
+def _gathered(spec, dim):
+    """The placements with every shard of tensor dim ``dim`` replicated (other shards kept)."""
+    return tuple(Replicate() if p.is_shard(dim) else p for p in spec.placements)
+
+
+def _slice_layout(spec, args):
+    """slice(self, dim, start, end, step): (source placements, output placements, output shape).
+    A slice of a sharded dim gathers that dim, unless it is the whole dim."""
+    dim = (args[1] if len(args) > 1 else 0) % spec.ndim
+    bounds = [args[i] if len(args) > i else None for i in (2, 3, 4)]
+    span = range(*slice(*bounds).indices(spec.shape[dim]))
+    whole = span == range(spec.shape[dim])
+    source = spec.placements if whole else _gathered(spec, dim)
+    return source, source, spec.shape[:dim] + (len(span),) + spec.shape[dim + 1:]
+
+
+def _select_layout(spec, args):
+    """select(self, dim, index): the dim is gathered; later shards move down one dim."""
+    dim = args[1] % spec.ndim
+    source = _gathered(spec, dim)
+    out = tuple(p.with_dim(p.dim - 1) if p.is_shard() and p.dim > dim else p for p in source)
+    return source, out, spec.shape[:dim] + spec.shape[dim + 1:]
+
+
+def _unsqueeze_layout(spec, args):
+    """unsqueeze(self, dim) (``x[None]``): shards at or after the new dim move up one."""
+    dim = args[1] % (spec.ndim + 1)
+    out = tuple(p.with_dim(p.dim + 1) if p.is_shard() and p.dim >= dim else p for p in spec.placements)
+    return spec.placements, out, spec.shape[:dim] + (1,) + spec.shape[dim:]
+
+
+_INDEX_VIEWS = {"slice": _slice_layout, "select": _select_layout, "unsqueeze": _unsqueeze_layout}
+
+
 def _view(func, args, kwargs):
-    """An aten view op with no rule: computed on the replicated value, so the result does not share
-    memory with the input; it remembers how to write an in-place change back (writeback.py)."""
-    result = _fallback(func, args, kwargs)
-    base, rest = args[0], args[1:]
+    """An aten view op. Indexing (slice, select, unsqueeze) runs on the shard, after gathering the indexed dim
+    if a mesh dim splits it; other views are computed on the replicated value. A result that does
+    not share memory with the input (or is a view of such a copy) remembers how to write an
+    in-place change back into the input (writeback.py)."""
+    base = args[0]
+    layout_of = _INDEX_VIEWS.get(_op_name(func))
+    if layout_of is not None and isinstance(base, DTensor) and not kwargs:
+        source, placements, shape = layout_of(base._spec, args)
+        spec = base._spec
+        moved = base if source == spec.placements else as_layout(base, spec.with_placements(source))
+        local = func(moved._local_tensor, *args[1:])
+        result = DTensor._make(local, DTensorSpec(spec.mesh, placements, shape))
+        if moved is base and not writeback.is_marked(base):  # a true view of the shard
+            return _platform.alias_view_wrappers(func, args, kwargs, result)
+    else:
+        result = _fallback(func, args, kwargs)
+    rest = args[1:]
     outs, _ = tree_flatten(result)
     for i, out in enumerate(outs):
         if isinstance(out, DTensor):
             region = (lambda full, i=i: tree_flatten(func(full, *rest, **kwargs))[0][i])
             writeback.mark(out, base, region, autograd_view=True)
-    return result
+    return _platform.alias_view_wrappers(func, args, kwargs, result)
+
+
+def _index_backward(func, args, kwargs):
+    """slice_backward / select_backward (the gradients of indexing): each rank pads its own piece of
+    the gradient into its piece of the input's shape, shards staying on their dims. A gradient split
+    along the sliced dim itself takes the fallback (its pieces do not line up with the input's)."""
+    grad = args[0]
+    if not isinstance(grad, DTensor) or kwargs:
+        return _fallback(func, args, kwargs)
+    spec, sizes, dim = grad._spec, tuple(args[1]), args[2] % len(args[1])
+    if _op_name(func) == "select_backward":
+        placements = tuple(p.with_dim(p.dim + 1) if p.is_shard() and p.dim >= dim else p
+                           for p in spec.placements)
+    elif any(p.is_shard(dim) for p in spec.placements):
+        return _fallback(func, args, kwargs)
+    else:
+        placements = spec.placements
+    out_spec = DTensorSpec(spec.mesh, placements, sizes)
+    local = func(grad._local_tensor, list(out_spec.local_shape), *args[2:])
+    return DTensor._make(local, out_spec)
 
 
 def _random(func, args, kwargs):
@@ -207,7 +275,8 @@ def _random(func, args, kwargs):
     if _is_inplace(func):
         return args[0]
     like = args[0]._spec if isinstance(args[0], DTensor) else None
-    return _wrap_outputs(result, mesh, lambda i: (Replicate(),) * mesh.ndim, lambda i, leaf: tuple(leaf.shape),
+    replicated = (Replicate(),) * mesh.ndim
+    return _wrap_outputs(result, mesh, lambda i: replicated, lambda i, leaf: tuple(leaf.shape),
                          relayout=lambda out: _keep_layout(out, like))
 
 
@@ -223,23 +292,30 @@ def _keep_layout(out, like):
 
 
 def _reshape_in_place(func, args, kwargs):
-    raise NotImplementedError(
-        f"{_op_name(func)} changes a DTensor's shape in place, which would change its layout under every "
-        f"other reference to it; use the out-of-place op ({_op_name(func).rstrip('_')}) and keep its result")
+    return reshape_in_place(_op_name(func), func, args, kwargs)
 
 
 _HANDLERS = {"alias": _alias, "like": _like, "new_like": _new_like, "fill": _fill, "pointwise": _pointwise,
-             "foreach": _foreach, "random": _random, "view": _view, "reshape_in_place": _reshape_in_place}
+             "foreach": _foreach, "random": _random, "view": _view, "reshape_in_place": _reshape_in_place,
+             "index_backward": _index_backward}
 
 
 def dispatch_aten(func, args, kwargs):
     kind = _platform.aten_kind(func)
     if kind in ("pointwise", "fill") and _mutates_others(func, args, kwargs):
         kind = None  # out= variants and the like: the fallback writes every written argument
+    written = [t for t in _written_dtensors(func, args, kwargs)]
+    for target in written:
+        writeback.check_writable(target)
     result = _HANDLERS.get(kind, _fallback)(func, args, kwargs)
+    for target in written:
+        writeback.write_back(target)
+    return result
+
+
+def _written_dtensors(func, args, kwargs):
     for pos, key in _written(func, args, kwargs):
         target = args[pos] if key is None else kwargs.get(key)
         for t in target if isinstance(target, (list, tuple)) else [target]:
             if isinstance(t, DTensor):
-                writeback.write_back(t)
-    return result
+                yield t

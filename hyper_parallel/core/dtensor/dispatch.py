@@ -185,6 +185,12 @@ def dispatch_function(name, func, args, kwargs):
     replicated_out = [all(p[m].is_replicate() for p in out_placements) for m in range(mesh.ndim)]
     targets = [(strategy.inputs[call.index(leaf)] or leaf._spec.placements) if isinstance(leaf, DTensor)
                else None for leaf in leaves]
+    tracked = name in VIEW_OPS and not ring_marked and _tracked(leaves)
+    if tracked and (name == "getitem" or _moves(leaves, targets)):
+        for leaf in leaves:
+            if isinstance(leaf, DTensor):
+                ensure_leaf_grad_layout(leaf)
+        return NotImplemented  # the aten level takes it as a view autograd knows (see writeback.py)
     passthrough = _passthrough(out_placements, [t for t in targets if t is not None], replicated_out)
 
     locals_, moved_view_base = [], None
@@ -192,7 +198,8 @@ def dispatch_function(name, func, args, kwargs):
         if isinstance(leaf, DTensor):
             ensure_leaf_grad_layout(leaf)
             moved = leaf.redistribute(placements=target)
-            if moved is not leaf and name in VIEW_OPS and moved_view_base is None:
+            chained = moved is not leaf or tracked or writeback.is_marked(leaf)
+            if chained and name in VIEW_OPS and moved_view_base is None:
                 moved_view_base = leaf
             grad_spec = moved._spec.with_placements(input_grad_placements(target, replicated_out))
             leaf = _to_local(moved, grad_spec, passthrough)
@@ -213,7 +220,7 @@ def dispatch_function(name, func, args, kwargs):
             k += 1
         wrapped.append(out)
     if moved_view_base is not None:
-        _mark_views(wrapped, moved_view_base, func, args, kwargs)
+        _mark_views(wrapped, moved_view_base, func, args, kwargs, autograd_view=False)
     return tree_unflatten(wrapped, out_structure)
 
 
@@ -223,10 +230,24 @@ VIEW_OPS = frozenset({"view", "expand", "transpose", "permute", "movedim", "t", 
                       "narrow", "getitem"})
 
 
-def _mark_views(outputs, base, func, args, kwargs):
+def _tracked(leaves):
+    """Whether autograd tracks a DTensor input. A view this level takes of it is a view only in name
+    (the wrapper is a new autograd node), so a write through it could not reach the input's
+    gradient. Indexing (``x[:, 1] += 1``, ``v = x[2:]; v.mul_(3)``) and views that move data are
+    therefore left to the aten level, where autograd records them as views; the remaining views of
+    tracked inputs are marked, and a write through them raises (writeback.check_writable)."""
+    return _platform.is_grad_enabled() and any(isinstance(x, DTensor) and x.requires_grad for x in leaves)
+
+
+def _moves(leaves, targets):
+    return any(isinstance(leaf, DTensor) and target != leaf._spec.placements
+               for leaf, target in zip(leaves, targets))
+
+
+def _mark_views(outputs, base, func, args, kwargs, autograd_view):
     rest = args[1:]
     index = [i for i, out in enumerate(outputs) if isinstance(out, DTensor)]
     for k, i in enumerate(index):
         region = (lambda full, k=k: [o for o in tree_flatten(func(full, *rest, **kwargs))[0]
                                      if _platform.is_tensor(o)][k])
-        writeback.mark(outputs[i], base, region, autograd_view=False)
+        writeback.mark(outputs[i], base, region, autograd_view)

@@ -34,6 +34,23 @@ def mark(out, base, region, autograd_view):
     setattr(out, _ATTR, _Link(base, region, autograd_view))
 
 
+def is_marked(tensor):
+    return getattr(tensor, _ATTR, None) is not None
+
+
+def check_writable(view):
+    """Raise before an in-place write into a view that autograd does not know as one (taken by a
+    user-level view op from a DTensor that requires grad): the write could not reach the base's
+    gradient."""
+    link = getattr(view, _ATTR, None)
+    if link is None or link.autograd_view or not get_platform().is_grad_enabled():
+        return
+    if link.base.requires_grad or view.requires_grad:
+        raise ValueError("an in-place write into a view (transpose/view/split...) of a DTensor that requires "
+                         "grad: autograd would not see it reach the base. Write into the base itself "
+                         "(base[idx] = value), use the out-of-place op, or clone() the view first")
+
+
 def write_back(view):
     """Propagate an in-place change of ``view`` into its base (and the base's base...)."""
     link = getattr(view, _ATTR, None)
@@ -41,10 +58,6 @@ def write_back(view):
         return
     platform = get_platform()
     base = link.base
-    if not link.autograd_view and platform.is_grad_enabled() and (base.requires_grad or view.requires_grad):
-        raise ValueError("an in-place write into a view of a DTensor that requires grad, where the view had to "
-                         "move data (e.g. a slice across a sharded dim): the write cannot reach the base's "
-                         "gradient. Write into the base itself (base[idx] = value), or clone() the view first")
     from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
     with platform.no_grad():
         full_spec = base._spec.with_placements(_replicated(base._spec))
@@ -62,4 +75,4 @@ def _replicated(spec):
     return (Replicate(),) * spec.mesh.ndim
 
 
-__all__ = ["mark", "write_back"]
+__all__ = ["check_writable", "is_marked", "mark", "write_back"]

@@ -230,6 +230,10 @@ class MindSporePlatform(Platform):
         return getattr(func, "__name__", None) or str(func)
 
     @staticmethod
+    def alias_view_wrappers(func, args, kwargs, out):
+        return out
+
+    @staticmethod
     def shares_memory(a, b):
         return False  # MindSpore's PyNative ops return new tensors, never views
 

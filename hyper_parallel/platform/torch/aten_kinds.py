@@ -19,7 +19,7 @@ _RESHAPE_IN_PLACE = {"t_", "transpose_", "swapdims_", "swapaxes_", "squeeze_", "
 @functools.lru_cache(maxsize=None)
 def aten_kind(func):
     """One of "alias", "like", "new_like", "fill", "foreach", "random", "pointwise", "view",
-    "reshape_in_place", or None (no generic rule)."""
+    "reshape_in_place", "index_backward", or None (no generic rule)."""
     if func.overloadpacket.__name__ in _RESHAPE_IN_PLACE:
         return "reshape_in_place"
     if func in _NEW_LIKE:
@@ -40,6 +40,8 @@ def aten_kind(func):
         return "pointwise"
     if func.is_view:
         return "view"
+    if name in ("slice_backward", "select_backward"):
+        return "index_backward"
     return None
 
 
@@ -70,4 +72,3 @@ def written_arguments(func):
     extra = _UNMARKED_WRITES.get(func.overloadpacket.__name__, ())
     return tuple((i, arg.name) for i, arg in enumerate(schema.arguments)
                  if (arg.alias_info is not None and arg.alias_info.is_write) or arg.name in extra)
-

@@ -52,8 +52,8 @@ class _AllReduce(torch.autograd.Function):
         ctx.comm, ctx.group, ctx.op, ctx.mode = comm, group, op, backward
         if op in ("max", "min"):
             # Gradient flows only to the elements that won, split evenly over ties across ranks
-            # (the convention of torch.amax).
-            winners = (tensor == out).to(tensor.dtype)
+            # (the convention of torch.amax); a NaN wins, as in torch.max.
+            winners = ((tensor == out) | (tensor.isnan() & out.isnan())).to(tensor.dtype)
             ctx.save_for_backward(winners / comm.all_reduce(winners, group, "sum").clamp_min(1))
         return out
 

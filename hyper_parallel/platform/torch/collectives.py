@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.platform.base import AsyncHandle, CompletedHandle
+from hyper_parallel.platform.torch.dtype_widening import widening
 
 # torch renamed all_gather_into_tensor to all_gather_single; accept both (torch>=2.4).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -106,6 +107,7 @@ class Collectives:
         return order, [ranks.index(r) for r in ascending]
 
     # --------------------------------------------------------------------------- all-gather
+    @widening
     def all_gather(self, tensor, group, dim=0, async_op=False):
         if tensor.dim() == 0:  # a 0-dim tensor gathers into a vector (as on every platform)
             tensor = tensor.reshape(1)
@@ -141,6 +143,7 @@ class Collectives:
         return (blocks if perm is None else blocks[perm[1]]), perm
 
     # --------------------------------------------------------------------------- all-to-all
+    @widening
     def all_to_all_single(self, tensor, group, split_dim=0, concat_dim=0, async_op=False):
         n = dist.get_world_size(group)
         split_dim, concat_dim = split_dim % tensor.dim(), concat_dim % tensor.dim()  # negative dims
@@ -158,6 +161,7 @@ class Collectives:
             return received.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1).contiguous()
         return self._finish(async_op, works, finish)
 
+    @widening
     def all_to_all(self, tensors, group, out_shapes=None, async_op=False):
         """List all-to-all, emulated with one uneven all_to_all_single of flattened buffers
         (gloo has no list form)."""
@@ -186,6 +190,7 @@ class Collectives:
         return self._finish(async_op, works, finish)
 
     # --------------------------------------------------------------------------- reductions
+    @widening
     def reduce_scatter(self, tensor, group, dim=0, op="sum", async_op=False):
         check_reduce_op(op)
         n = dist.get_world_size(group)
@@ -212,6 +217,7 @@ class Collectives:
         return self._finish(async_op, works,
                             lambda: out / n if op == "avg" and native_op != dist.ReduceOp.AVG else out)
 
+    @widening
     def all_reduce(self, tensor, group, op="sum", async_op=False, tag=None):
         check_reduce_op(op)
         n = dist.get_world_size(group)
@@ -246,6 +252,7 @@ class Collectives:
         return self._finish(async_op, works,
                             lambda: out.div_(n) if scale else out)
 
+    @widening
     def broadcast(self, tensor, src, group, async_op=False):
         n = dist.get_world_size(group)
         out = tensor.contiguous().clone()

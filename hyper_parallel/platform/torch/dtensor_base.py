@@ -30,8 +30,9 @@ class TorchDTensorBase(torch.Tensor):
     @staticmethod
     def __new__(cls, local_tensor, global_shape, requires_grad=False):
         if local_tensor.layout != torch.strided:
-            raise NotImplementedError(f"a DTensor holds strided shards; this op produced a {local_tensor.layout} "
-                                      f"tensor. Call it on dt.full_tensor() (or dt.to_local()) instead")
+            raise NotImplementedError(f"a DTensor holds strided shards; this op produced a "
+                                      f"{local_tensor.layout} tensor. Call it on dt.full_tensor() (or "
+                                      f"dt.to_local()) instead")
         shape = tuple(global_shape)
         return torch.Tensor._make_wrapper_subclass(
             cls, shape, strides=_contiguous_strides(shape), dtype=local_tensor.dtype,

@@ -7,6 +7,8 @@ import resource
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._mode_utils import no_dispatch
+from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from hyper_parallel.platform.base import Platform
 from hyper_parallel.platform.torch import attention_kernels
@@ -233,6 +235,20 @@ class TorchPlatform(Platform):
     @staticmethod
     def op_display_name(func):
         return getattr(func, "__name__", None) or str(func)
+
+    @staticmethod
+    def apply_to_wrapper(func, wrapper, args, kwargs):
+        """Run a metadata-only in-place op (``transpose_``, ``unsqueeze_``...) on a DTensor's
+        wrapper itself, bypassing dispatch, so that its global sizes and strides follow."""
+        with no_dispatch():
+            func(wrapper, *args, **kwargs)
+
+    @staticmethod
+    def alias_view_wrappers(func, args, kwargs, out):
+        """Give the wrapper(s) a view op returns the sizes, strides and storage offset the op gives
+        on the input's wrapper, so autograd's view tracking (CopySlices) addresses the right region
+        of the base's gradient."""
+        return return_and_correct_aliasing(func, args, kwargs, out)
 
     @staticmethod
     def shares_memory(a, b):
