@@ -61,10 +61,11 @@ class GradientReducer:
         own = set(param.device_mesh.rank_list)
         shared = own & set(self.mesh.group_ranks(0))
         if len(shared) > 1:
-            raise ValueError(f"data_parallel: a DTensor parameter lives on mesh {param.device_mesh} which shares "
-                             f"ranks {sorted(shared)} with the data-parallel mesh {self.mesh}; its shards differ "
-                             f"across those ranks, so their gradients cannot be averaged. Use a data-parallel "
-                             f"mesh dim different from the parameter's (e.g. mesh['dp'] beside mesh['tp'])")
+            raise ValueError(f"data_parallel: a DTensor parameter lives on mesh {param.device_mesh} which "
+                             f"shares ranks {sorted(shared)} with the data-parallel mesh {self.mesh}; its "
+                             f"shards differ across those ranks, so their gradients cannot be averaged. "
+                             f"Use a data-parallel mesh dim different from the parameter's (e.g. "
+                             f"mesh['dp'] beside mesh['tp'])")
 
     @staticmethod
     def _make_buckets(params, cap_bytes):
@@ -148,8 +149,8 @@ class GradientReducer:
             elif bool((reduced != 0).any()):
                 # used on another rank only: take its gradient; never give an everywhere-unused
                 # parameter a zero gradient (optimizers would still step it)
-                param.grad = (DTensor.from_local(reduced, param.device_mesh, param.placements, shape=param.shape)
-                              if isinstance(param, DTensor) else reduced)
+                param.grad = reduced if not isinstance(param, DTensor) else DTensor.from_local(
+                    reduced, param.device_mesh, param.placements, shape=param.shape)
 
     @contextlib.contextmanager
     def no_sync(self):

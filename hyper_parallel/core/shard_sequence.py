@@ -33,8 +33,9 @@ def _block(tensor, mesh, seq_dim, load_balance):
     chunks = 2 * parts if load_balance else parts
     if length % chunks:
         need = f"2 x the context-parallel size ({chunks})" if load_balance else f"the mesh size ({parts})"
-        raise ValueError(f"shard_sequence: sequence length {length} (dim {dim} of shape {tuple(tensor.shape)}) is "
-                         f"not divisible by {need}; pad the batch to a multiple of {chunks}")
+        raise ValueError(f"shard_sequence: sequence length {length} (dim {dim} of shape "
+                         f"{tuple(tensor.shape)}) is not divisible by {need}; pad the batch to a "
+                         f"multiple of {chunks}")
     size = length // parts
     rank = mesh.get_local_rank(0)
     return tensor.narrow(dim, rank * size, size).contiguous()
@@ -54,5 +55,7 @@ def shard_sequence(tensors, device_mesh, seq_dim=1, load_balance=False):
         out = [None if t is None else _block(t, device_mesh, seq_dim, load_balance) for t in tensors]
         if isinstance(tensors, list):
             return out
-        return type(tensors)(*out) if hasattr(tensors, "_fields") else type(tensors)(out)  # namedtuple / tuple
+        if hasattr(tensors, "_fields"):  # a namedtuple
+            return type(tensors)(*out)
+        return type(tensors)(out)
     return _block(tensors, device_mesh, seq_dim, load_balance)

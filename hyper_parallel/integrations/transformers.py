@@ -1,0 +1,53 @@
+"""Hugging Face transformers: ``parallelize_model(model, mesh, tp="tp", cp="cp", **cp_kwargs)`` (SPEC §9).
+
+    from hyper_parallel.integrations.transformers import parallelize_model
+    mesh = init_device_mesh("cuda", (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+    model = parallelize_model(LlamaForCausalLM(config), mesh)          # TP on "tp", CP on "cp"
+
+Tensor parallelism comes from the model's own TP plan (hf_tensor_parallel.py), context parallelism
+from an attention function registered with transformers' ``AttentionInterface``
+(hf_context_parallel.py). Gradients still need ``data_parallel`` over the data and context
+parallel ranks (``mesh["dp", "cp"].flatten()``): see docs/training.md.
+"""
+from hyper_parallel.integrations.hf_context_parallel import apply_context_parallel
+from hyper_parallel.integrations.hf_tensor_parallel import apply_tensor_parallel, translate_plan
+
+__all__ = ["parallelize_model", "translate_plan"]
+
+
+def _sub_mesh(mesh, name, role):
+    if name is None:
+        return None
+    names = mesh.mesh_dim_names or ()
+    if name not in names:
+        return None
+    if mesh.ndim == 1:
+        return mesh
+    sub = mesh[name]
+    if sub.ndim != 1:
+        raise ValueError(f"parallelize_model: {role} mesh dim {name!r} must be a single dim")
+    return sub
+
+
+def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", **context_parallel_kwargs):
+    """Tensor parallelism on mesh dim ``tp`` (the model's ``base_model_tp_plan``) and context-parallel
+    attention on mesh dim ``cp`` (``context_parallel_kwargs`` go to ``ContextParallel``, e.g.
+    ``ulysses_degree=1``, ``load_balance=True``, ``kv_exchange="ring"``). A dim absent from the
+    mesh (or ``None``) is skipped. Call the model with each rank's sequence block of every per-token
+    input (``shard_sequence``). Returns the model."""
+    if getattr(model, "_hp_parallelized", False):
+        raise ValueError("parallelize_model was already applied to this model")
+    tp_mesh = _sub_mesh(device_mesh, tp, "tensor-parallel")
+    cp_mesh = _sub_mesh(device_mesh, cp, "context-parallel")
+    if tp_mesh is None and cp_mesh is None:
+        raise ValueError(f"parallelize_model: the mesh {device_mesh.mesh_dim_names} has neither a {tp!r} "
+                         f"nor a {cp!r} dim; name the mesh dims (mesh_dim_names=...) or pass tp=/cp=")
+    if context_parallel_kwargs and cp_mesh is None:
+        raise ValueError(f"parallelize_model: context-parallel options {sorted(context_parallel_kwargs)} "
+                         f"given but the mesh has no {cp!r} dim")
+    if tp_mesh is not None:
+        apply_tensor_parallel(model, tp_mesh)
+    if cp_mesh is not None:
+        apply_context_parallel(model, cp_mesh, context_parallel_kwargs)
+    model._hp_parallelized = True
+    return model
