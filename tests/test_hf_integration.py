@@ -165,3 +165,21 @@ def _errors(rank, world_size):
 
 def test_hf_errors():
     assert run_dist(4, _errors) == [True] * 4
+
+
+def test_example_train_llama_hf_check():
+    """examples/train_llama_hf.py --check at a tiny size: spawns its own ranks, trains, and exits 0
+    only if every step's loss equals the single-process run to 1e-5."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    launcher = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    cmd = [sys.executable, str(root / "examples" / "train_llama_hf.py"), "--cp", "2", "--mode",
+           "allgather-lb", "--steps", "2", "--seq", "16", "--hidden", "32", "--vocab", "64", "--check"]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[2/2] loss" in done.stdout and "max |loss - single-process loss|" in done.stdout, done.stdout
