@@ -6,7 +6,12 @@ in mesh-dim order; a ``StridedShard(d, k)`` applies after the later mesh dims of
 """
 import math
 
-from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, Shard, StridedShard
+from hyper_parallel.core.dtensor.placement_types import Replicate, Shard, StridedShard
+
+
+def numel(shape):
+    """Number of elements of a tensor of ``shape`` (1 for a 0-dim tensor)."""
+    return math.prod(shape)
 
 
 def chunk_sizes(length, parts):
@@ -77,7 +82,3 @@ def local_shape(shape, placements, mesh_shape, coordinate):
 def grad_placements(placements):
     """Gradient layout of a forward value: a Partial value's gradient is replicated."""
     return tuple(Replicate() if p.is_partial() else p for p in placements)
-
-
-def is_partial_op(p, op=None):
-    return isinstance(p, Partial) and (op is None or p.reduce_op == op)

@@ -15,6 +15,7 @@ the same redistribution that splits q.
 import contextlib
 import contextvars
 
+from hyper_parallel.core.dtensor.layout import numel
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.ops.strategy_search import pick
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
@@ -50,13 +51,6 @@ def _ring_strategy(call, q, k, v):
         values = [args[i] if i < len(args) else kwargs.get(_ARG_NAMES[i]) for i in range(3)]
         return kernel(*values, causal, scale)
     return OpStrategy(inputs=inputs, outputs=placements[0], local=local)
-
-
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _mask_placement(p, q_ndim, mask_shape):
@@ -98,7 +92,7 @@ def sdpa_rule(call):
     for m in range(call.mesh_ndim):
         current = [qs.placements[m], ks.placements[m], vs.placements[m]]
         (tq, tk, tv), po = pick(_candidates(qs, ks, vs, m, call.mesh.size(m)), current,
-                                [_numel(s.shape) for s in (qs, ks, vs)], call.mesh.size(m))
+                                [numel(s.shape) for s in (qs, ks, vs)], call.mesh.size(m))
         seq_split |= tq.is_shard(qs.ndim - 2)
         q_t.append(tq)
         k_t.append(tk)

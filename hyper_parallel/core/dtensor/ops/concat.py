@@ -13,16 +13,9 @@ Per mesh dim the common placement is chosen as:
 The cat dim itself is never sharded (pieces of it would interleave). ``stack`` inserts a new dim,
 so shards of dims at or after it move up by one.
 """
-from hyper_parallel.core.dtensor.layout import shard_orders
+from hyper_parallel.core.dtensor.layout import numel, shard_orders
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Replicate
-
-
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def common_placements(specs, cat_dim, mesh):
@@ -33,7 +26,7 @@ def common_placements(specs, cat_dim, mesh):
         for s in specs:
             p = s.placements[m]
             if p.is_shard() and p.dim != cat_dim:
-                votes[p] = votes.get(p, 0) + _numel(s.shape)
+                votes[p] = votes.get(p, 0) + numel(s.shape)
         if votes:
             chosen.append(max(votes, key=votes.get))
             continue

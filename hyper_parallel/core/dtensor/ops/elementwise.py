@@ -6,6 +6,7 @@ replicated. Partial inputs survive only through linear ops (sums of partials; a 
 replicated values); otherwise they are reduced — into the output's shard when there is one, which
 is one reduce-scatter.
 """
+from hyper_parallel.core.dtensor.layout import numel
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.platform import get_platform
@@ -62,8 +63,8 @@ def elementwise_strategy(op_name, specs, operands, out_shape, mesh_ndim, force_o
     ``operands``: the positional operands as specs (None for numbers), for the linearity test.
     ``force_out``: the output placements an in-place op must keep.
     """
-    numel = [_numel(s.shape) for s in specs]
-    anchor_order = sorted(range(len(specs)), key=lambda i: -numel[i])
+    sizes = [numel(s.shape) for s in specs]
+    anchor_order = sorted(range(len(specs)), key=lambda i: -sizes[i])
     out, source = [], []
     for m in range(mesh_ndim):
         if force_out is not None:
@@ -94,13 +95,6 @@ def elementwise_strategy(op_name, specs, operands, out_shape, mesh_ndim, force_o
                 placements.append(to_input(p, s.shape, out_shape))
         inputs.append(tuple(placements))
     return inputs, tuple(out)
-
-
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _operands(call):

@@ -5,6 +5,7 @@ Per mesh dim the candidates are: everything replicated; a shared batch dim split
 Partial(sum) output; or one Partial operand times a replicated one. The cheapest wins (see
 strategy_search.py), so a shard already in place is kept and nothing moves when it need not.
 """
+from hyper_parallel.core.dtensor.layout import numel
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.ops.strategy_search import pick
 from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, Shard
@@ -64,19 +65,12 @@ def _candidates(dims, pa, pb, out_shape):
     return cands
 
 
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _plan(call, a_spec, b_spec, dims, out_shape):
     inputs_a, inputs_b, out = [], [], []
     for m in range(call.mesh_ndim):
         pa, pb = a_spec.placements[m], b_spec.placements[m]
         (ta, tb), po = pick(_candidates(dims, pa, pb, out_shape), [pa, pb],
-                            [_numel(a_spec.shape), _numel(b_spec.shape)], call.mesh.size(m))
+                            [numel(a_spec.shape), numel(b_spec.shape)], call.mesh.size(m))
         inputs_a.append(ta)
         inputs_b.append(tb)
         out.append(po)
