@@ -28,8 +28,3 @@ def tree_unflatten(leaves, structure):
             return kind(items)
         return kind(*items) if hasattr(kind, "_fields") else kind(items)
     return build(structure)
-
-
-def tree_map(fn, obj):
-    leaves, structure = tree_flatten(obj)
-    return tree_unflatten([fn(x) for x in leaves], structure)

@@ -214,12 +214,6 @@ class TorchPlatform(Platform):
         return torch.is_grad_enabled()
 
     @staticmethod
-    def call_plain(func, args, kwargs):
-        """Call ``func`` with tensor-subclass function dispatch disabled."""
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-
-    @staticmethod
     def aten_kind(func):
         return aten_kind(func)
 

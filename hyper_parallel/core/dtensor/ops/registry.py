@@ -5,7 +5,7 @@ inputs, use the replicate fallback). Rules never communicate themselves; they sa
 each input must have and what layout the outputs then have, and may supply a ``local`` callable
 that runs the op on the shards (to pass local shapes, offsets or masks).
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _RULES = {}
 
@@ -33,7 +33,6 @@ class OpStrategy:
     inputs: list                 # placements per DTensor input (OpCall.specs order)
     outputs: object              # placements for every output, or a list with one per output
     local: object = None         # local(call, args, kwargs) -> result, on local shards
-    extra: dict = field(default_factory=dict)
 
 
 class OpCall:

@@ -4,7 +4,6 @@ A candidate says which placement each input needs and what the output then is. I
 bytes the inputs must move to get there; ties go to the candidate that changes the fewest inputs,
 then to the earlier one (rules list the preferred layouts first).
 """
-from hyper_parallel.core.dtensor.placement_types import Replicate
 
 
 def move_cost(src, dst, numel, n):
@@ -30,7 +29,3 @@ def pick(candidates, current, numels, n):
         if best_key is None or key < best_key:
             best, best_key = (inputs, out), key
     return best
-
-
-def replicate_all(count):
-    return [Replicate()] * count, Replicate()
