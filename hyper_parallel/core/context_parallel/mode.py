@@ -6,7 +6,8 @@ from hyper_parallel.core.context_parallel.checks import (NAMES, check_across_ran
                                                          normalise_dims)
 from hyper_parallel.core.context_parallel.layouts import input_placements, mode_placements
 from hyper_parallel.core.context_parallel.load_balance import merge_head_tail, split_head_tail
-from hyper_parallel.core.context_parallel.output import to_caller
+from hyper_parallel.core.context_parallel.output import first_output, to_caller
+from hyper_parallel.core.context_parallel.ring_mode import run_ring
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import HeadTailShard, Replicate, Shard
@@ -155,7 +156,6 @@ def run_attention(style, cp_mesh, qkv, call):
     ulysses_dims, gather_dims = _mode_dims(style, cp_mesh, inputs)
     _validate(style, inputs, ulysses_dims)
     if style.kv_exchange == "ring" and gather_dims:
-        from hyper_parallel.core.context_parallel.ring_mode import run_ring
         return _deliver(style, inputs, *run_ring(style, inputs, ulysses_dims, gather_dims[0], call))
     mesh, seq, head = inputs.mesh, inputs.seq, inputs.head
     dts = [DTensor.from_local(t, mesh, p, shape=s) for t, p, s in
@@ -194,14 +194,6 @@ def _load_balanced(inputs, k, v, call):
                          f"different layouts {sorted(map(str, layouts))}")
     seq = split.dim
     return merge_head_tail(outs[0], outs[1], seq, mesh, cp_dim), seq, p
-
-
-def first_output(out):
-    value = out[0] if isinstance(out, (tuple, list)) else out
-    if not isinstance(value, DTensor):
-        raise ValueError("ContextParallel: the attention module must return the DTensor its attention "
-                         "op produced (do not call .to_local() inside it)")
-    return value
 
 
 def _deliver(style, inputs, out_local, seq, placements):

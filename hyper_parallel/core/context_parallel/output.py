@@ -13,6 +13,7 @@ sequence dim of the output is
 Then every CP mesh dim is moved onto that dim, outer first, so each rank holds its contiguous
 block of the output's sequence; splits by other mesh dims (TP heads) stay as the output has them.
 """
+from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.layout import placements_from_orders, shard_orders
 from hyper_parallel.core.dtensor.placement_types import Replicate
 
@@ -72,3 +73,12 @@ def to_caller(out, inputs, ulysses_dims):
     seq = output_seq_dim(out, inputs, ulysses_dims)
     target = caller_placements(tuple(out.placements), inputs.mesh, out.ndim, seq, inputs.cp_dims)
     return out.redistribute(placements=target).to_local(), seq, target
+
+
+def first_output(out):
+    """The attention module's output DTensor (the first element of a tuple / list)."""
+    value = out[0] if isinstance(out, (tuple, list)) else out
+    if not isinstance(value, DTensor):
+        raise ValueError("ContextParallel: the attention module must return the DTensor its attention "
+                         "op produced (do not call .to_local() inside it)")
+    return value

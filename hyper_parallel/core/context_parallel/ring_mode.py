@@ -1,18 +1,63 @@
 """ContextParallel with ``kv_exchange="ring"``: Ulysses on the ds dims (if any), then ring attention
-over the remaining sequence dim instead of all-gathering K/V."""
+over the remaining sequence dim instead of all-gathering K/V.
+
+The user's module is called with q, k, v as DTensors, as in every mode; a dispatch interceptor
+(core/dtensor/interceptors.py) follows them through the module's relayouts (transpose, view...)
+and, at ``F.scaled_dot_product_attention``, runs the ring kernel on their local blocks instead of
+the attention rule. Attention code that consumes them otherwise is refused: it cannot be ringed."""
 from hyper_parallel.core.context_parallel.layouts import mode_placements
 from hyper_parallel.core.context_parallel.load_balance import merge_head_tail, split_head_tail
-from hyper_parallel.core.context_parallel.output import to_caller
+from hyper_parallel.core.context_parallel.output import first_output, to_caller
 from hyper_parallel.core.context_parallel.ring import RingLayout, ring_attention
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.dtensor.ops.attention import ring_attention_kernel
+from hyper_parallel.core.dtensor.interceptors import Interceptor, intercepting
+from hyper_parallel.core.dtensor.ops.attention import ARG_NAMES
+from hyper_parallel.core.dtensor.ops.registry import OpStrategy
 from hyper_parallel.platform import get_platform
+
+
+class RingInterceptor(Interceptor):
+    """Follows q, k, v to the attention op and runs ``kernel(q, k, v, causal, scale)`` there."""
+    pass_through = frozenset({"transpose", "permute", "movedim", "t", "view", "identity", "cast", "expand",
+                              "contiguous"})
+    consumers = frozenset({"sdpa", "npu_fusion_attention"})
+
+    def __init__(self, kernel):
+        super().__init__()
+        self.kernel = kernel
+        self.used = False
+
+    def strategy(self, call):
+        if call.name != "sdpa":
+            return None  # the NPU rule explains that sequence-split K/V needs the sdpa ring
+        q, k, v = (call.arg(i, ARG_NAMES[i]) for i in range(3))
+        if not all(self.follows(t) for t in (q, k, v)):
+            return None
+        if call.arg(3, "attn_mask") is not None or (call.arg(4, "dropout_p", 0.0) or 0.0) > 0:
+            raise ValueError("ring attention supports is_causal=True/False without attn_mask or dropout; "
+                             "use kv_exchange='allgather' for explicit masks")
+        causal, scale = bool(call.arg(5, "is_causal", False)), call.arg(6, "scale")
+        placements = [call.spec(t).placements for t in (q, k, v)]
+        inputs = [None] * len(call.specs)
+        for t, p in zip((q, k, v), placements):
+            inputs[call.index(t)] = p
+        self.used = True
+
+        def local(call_, args, kwargs):
+            values = [args[i] if i < len(args) else kwargs.get(ARG_NAMES[i]) for i in range(3)]
+            return self.kernel(*values, causal, scale)
+        return OpStrategy(inputs=inputs, outputs=placements[0], local=local)
+
+    def refusal(self, name):
+        return ValueError(f"ContextParallel(kv_exchange='ring') cannot ring the attention code in this "
+                          f"module: q/k/v reach '{name}'. Write the attention with "
+                          f"F.scaled_dot_product_attention (or the NPU fused kernel), or use "
+                          f"kv_exchange='allgather'.")
 
 
 def run_ring(style, inputs, ulysses_dims, ring_dim, call):
     """(this rank's contiguous output block (local, differentiable), the output's seq dim, its
     placements on the working mesh)."""
-    from hyper_parallel.core.context_parallel.mode import first_output
     mesh, seq, head = inputs.mesh, inputs.seq, inputs.head
     ndim = inputs.locals[0].ndim
     locals_ = inputs.locals
@@ -21,21 +66,17 @@ def run_ring(style, inputs, ulysses_dims, ring_dim, call):
         # only used to move heads; the ring kernel knows the true chunk ids)
         locals_ = [get_platform().cat(split_head_tail(t, seq, mesh, ring_dim), seq) for t in locals_]
     layout = RingLayout(mesh.group_ranks(ring_dim), mesh.get_local_rank(ring_dim), style.load_balance)
-    dts = [DTensor.from_local(t, mesh, p, shape=s) for t, p, s in zip(locals_, inputs.placements, inputs.shapes)]
+    dts = [DTensor.from_local(t, mesh, p, shape=s)
+           for t, p, s in zip(locals_, inputs.placements, inputs.shapes)]
     target, _ = mode_placements(inputs.placements[0], mesh, ndim, seq, head, ulysses_dims, [])
-    moved = []
-    for t in dts:
-        t = t.redistribute(placements=target)  # our own object either way: safe to mark
-        t._hp_ring = True
-        moved.append(t)
-    used = []
-
-    def kernel(q, k, v, causal, scale):
-        used.append(True)
-        return ring_attention(q, k, v, layout, causal, scale)
-    with ring_attention_kernel(kernel):
+    ring = RingInterceptor(lambda q, k, v, causal, scale:
+                           ring_attention(q, k, v, layout, causal, scale))
+    moved = [t.redistribute(placements=target) for t in dts]
+    for t in moved:
+        ring.follow(t)
+    with intercepting(ring):
         out = first_output(call(*moved))
-    if not used:
+    if not ring.used:
         raise ValueError("ContextParallel(kv_exchange='ring'): the module never called "
                          "F.scaled_dot_product_attention on q, k, v, so nothing was ringed")
     out_local, out_seq, placements = to_caller(out, inputs, ulysses_dims)

@@ -6,9 +6,10 @@ so the redistributions here are plain (non-differentiable) moves.
 """
 from hyper_parallel.core.dtensor import writeback
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
-from hyper_parallel.core.dtensor.dispatch import check_ring_inputs, common_mesh, ensure_leaf_grad_layout
+from hyper_parallel.core.dtensor.dispatch import common_mesh, ensure_leaf_grad_layout
 from hyper_parallel.core.dtensor.fallback import report_missing_rule
 from hyper_parallel.core.dtensor.inplace_shape import reshape_in_place
+from hyper_parallel.core.dtensor.interceptors import screen
 from hyper_parallel.core.dtensor.layout import grad_placements
 from hyper_parallel.core.dtensor.ops.elementwise import elementwise_strategy
 from hyper_parallel.core.dtensor.placement_types import Replicate
@@ -166,7 +167,7 @@ def _foreach(func, args, kwargs):
 def _fallback(func, args, kwargs):
     leaves, structure = tree_flatten((args, kwargs))
     mesh = common_mesh(leaves, _op_name(func))
-    check_ring_inputs(_op_name(func), leaves)
+    screen(_op_name(func), leaves)  # an op no interceptor can pass or take over: refused
     report_missing_rule(str(getattr(func, "__name__", func)))
     if _platform.is_grad_enabled():
         for leaf in leaves:  # a leaf's gradient keeps the leaf's placements, via this path too

@@ -15,6 +15,7 @@ import functools
 import inspect
 
 from hyper_parallel.core.dtensor import writeback
+from hyper_parallel.core.dtensor.interceptors import screen
 from hyper_parallel.core.dtensor.dtensor import DTensor, GradPassThrough, _from_local, _to_local, as_layout
 from hyper_parallel.core.dtensor.layout import grad_placements
 from hyper_parallel.core.dtensor.ops import get_rule
@@ -113,23 +114,6 @@ def meta_outputs(func, args, kwargs):
     return shapes
 
 
-# Ops a ring-attention input may flow through before reaching the attention op (see ring.py).
-RING_PASS_THROUGH = frozenset({"transpose", "permute", "movedim", "t", "view", "identity", "cast", "expand",
-                               "contiguous"})
-RING_CONSUMERS = frozenset({"sdpa", "npu_fusion_attention"})
-
-
-def check_ring_inputs(name, leaves):
-    """True if a ring-marked input passes through this op; ValueError if the op would consume it."""
-    if name in RING_PASS_THROUGH or name in RING_CONSUMERS:
-        return any(getattr(x, "_hp_ring", False) for x in leaves)
-    if any(getattr(x, "_hp_ring", False) for x in leaves):
-        raise ValueError(f"ContextParallel(kv_exchange='ring') cannot ring the attention code in this module: "
-                         f"q/k/v reach '{name}'. Write the attention with F.scaled_dot_product_attention (or "
-                         f"the NPU fused kernel), or use kv_exchange='allgather'.")
-    return False
-
-
 def _passthrough(out_placements, input_targets, replicated_out):
     """A GradPassThrough for an op with one tensor output, over the mesh dims where the output and
     every input are replicated (the local backward is then the same linear map on every rank, so a
@@ -161,46 +145,55 @@ def _asks_in_place(func, args, kwargs):
 
 
 def dispatch_function(name, func, args, kwargs):
-    rule = get_rule(name)
-    if rule is not None and _asks_in_place(func, args, kwargs):
-        rule = None
-    if rule is None:
-        leaves, _ = tree_flatten((args, kwargs))
-        check_ring_inputs(name, leaves)
-        return NotImplemented
     leaves, structure = tree_flatten((args, kwargs))
-    ring_marked = check_ring_inputs(name, leaves)
+    interceptor = screen(name, leaves)
+    rule = get_rule(name)
+    if rule is None or _asks_in_place(func, args, kwargs):
+        return NotImplemented
     mesh = common_mesh(leaves, name)
     leaves = [promote_plain(x, mesh) for x in leaves]
     call_args, call_kwargs = tree_unflatten(leaves, structure)
-    dtensors = [x for x in leaves if isinstance(x, DTensor)]
-    call = OpCall(name, func, call_args, call_kwargs, mesh, dtensors,
+    call = OpCall(name, func, call_args, call_kwargs, mesh, [x for x in leaves if isinstance(x, DTensor)],
                   meta_fn=lambda: meta_outputs(func, call_args, call_kwargs))
-    strategy = rule(call)
+    strategy = interceptor.strategy(call) if interceptor and name in interceptor.consumers else None
+    strategy = strategy or rule(call)
     if strategy is None:
         return NotImplemented
-    out_shapes = call.out_shapes
     out_placements = strategy.outputs if isinstance(strategy.outputs, list) else \
-        [strategy.outputs] * len(out_shapes)
-    replicated_out = [all(p[m].is_replicate() for p in out_placements) for m in range(mesh.ndim)]
+        [strategy.outputs] * len(call.out_shapes)
     targets = [(strategy.inputs[call.index(leaf)] or leaf._spec.placements) if isinstance(leaf, DTensor)
                else None for leaf in leaves]
-    tracked = name in VIEW_OPS and not ring_marked and _tracked(leaves)
+    tracked = name in VIEW_OPS and interceptor is None and _tracked(leaves)
     if tracked and (name == "getitem" or _moves(leaves, targets)):
         for leaf in leaves:
             if isinstance(leaf, DTensor):
                 ensure_leaf_grad_layout(leaf)
         return NotImplemented  # the aten level takes it as a view autograd knows (see writeback.py)
-    passthrough = _passthrough(out_placements, [t for t in targets if t is not None], replicated_out)
+    wrapped, out_structure, view_base = _run_on_shards(call, strategy, leaves, structure, targets,
+                                                       out_placements, tracked)
+    if interceptor is not None and name in interceptor.pass_through:
+        for out in wrapped:
+            if isinstance(out, DTensor):
+                interceptor.follow(out)
+    if view_base is not None:
+        _mark_views(wrapped, view_base, func, args, kwargs, autograd_view=False)
+    return tree_unflatten(wrapped, out_structure)
 
-    locals_, moved_view_base = [], None
+
+def _run_on_shards(call, strategy, leaves, structure, targets, out_placements, tracked):
+    """Redistribute the inputs (differentiably), run the op on the shards, wrap the outputs.
+    Returns (output leaves, their structure, the input a view op's outputs must write back to)."""
+    mesh = call.mesh
+    replicated_out = [all(p[m].is_replicate() for p in out_placements) for m in range(mesh.ndim)]
+    passthrough = _passthrough(out_placements, [t for t in targets if t is not None], replicated_out)
+    locals_, view_base = [], None
     for leaf, target in zip(leaves, targets):
         if isinstance(leaf, DTensor):
             ensure_leaf_grad_layout(leaf)
             moved = leaf.redistribute(placements=target)
             chained = moved is not leaf or tracked or writeback.is_marked(leaf)
-            if chained and name in VIEW_OPS and moved_view_base is None:
-                moved_view_base = leaf
+            if chained and call.name in VIEW_OPS and view_base is None:
+                view_base = leaf
             grad_spec = moved._spec.with_placements(input_grad_placements(target, replicated_out))
             leaf = _to_local(moved, grad_spec, passthrough)
         locals_.append(leaf)
@@ -208,20 +201,16 @@ def dispatch_function(name, func, args, kwargs):
     if strategy.local is not None:
         result = strategy.local(call, local_args, local_kwargs)
     else:
-        result = func(*local_args, **local_kwargs)
-
+        result = call.func(*local_args, **local_kwargs)
     out_leaves, out_structure = tree_flatten(result)
     wrapped, k = [], 0
     for out in out_leaves:
         if _platform.is_tensor(out):
-            out = _from_local(out, DTensorSpec(mesh, tuple(out_placements[k]), out_shapes[k]), passthrough)
-            if ring_marked and name in RING_PASS_THROUGH:
-                out._hp_ring = True
+            spec = DTensorSpec(mesh, tuple(out_placements[k]), call.out_shapes[k])
+            out = _from_local(out, spec, passthrough)
             k += 1
         wrapped.append(out)
-    if moved_view_base is not None:
-        _mark_views(wrapped, moved_view_base, func, args, kwargs, autograd_view=False)
-    return tree_unflatten(wrapped, out_structure)
+    return wrapped, out_structure, view_base
 
 
 # Ops whose torch result is a view of their input: when the rule had to move the input first, the

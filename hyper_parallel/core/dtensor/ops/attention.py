@@ -12,45 +12,13 @@ excluded key stays out of that row exactly as in single-device causal attention 
 -inf mask would turn NaN + -inf into NaN). An explicit global mask is sliced to the local rows by
 the same redistribution that splits q.
 """
-import contextlib
-import contextvars
-
 from hyper_parallel.core.dtensor.layout import numel
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.ops.strategy_search import pick
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
 from hyper_parallel.platform import get_platform
 
-_ARG_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
-_ring_kernel = contextvars.ContextVar("hp_ring_attention_kernel", default=None)
-
-
-@contextlib.contextmanager
-def ring_attention_kernel(kernel):
-    """While active, attention on inputs marked for the ring (see DTensor ``_hp_ring``) runs
-    ``kernel(q, k, v, causal, scale)`` on the local blocks instead of gathering K/V."""
-    token = _ring_kernel.set(kernel)
-    try:
-        yield
-    finally:
-        _ring_kernel.reset(token)
-
-
-def _ring_strategy(call, q, k, v):
-    kernel = _ring_kernel.get()
-    if call.arg(3, "attn_mask") is not None or (call.arg(4, "dropout_p", 0.0) or 0.0) > 0:
-        raise ValueError("ring attention supports is_causal=True/False without attn_mask or dropout; "
-                         "use kv_exchange='allgather' for explicit masks")
-    causal, scale = bool(call.arg(5, "is_causal", False)), call.arg(6, "scale")
-    placements = [call.spec(t).placements for t in (q, k, v)]
-    inputs = [None] * len(call.specs)
-    for t, p in zip((q, k, v), placements):
-        inputs[call.index(t)] = p
-
-    def local(call_, args, kwargs):
-        values = [args[i] if i < len(args) else kwargs.get(_ARG_NAMES[i]) for i in range(3)]
-        return kernel(*values, causal, scale)
-    return OpStrategy(inputs=inputs, outputs=placements[0], local=local)
+ARG_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
 
 
 def _mask_placement(p, q_ndim, mask_shape):
@@ -80,12 +48,10 @@ def _candidates(qs, ks, vs, m, n):
 
 @register_rule("sdpa")
 def sdpa_rule(call):
-    q, k, v = (call.arg(i, _ARG_NAMES[i]) for i in range(3))
+    q, k, v = (call.arg(i, ARG_NAMES[i]) for i in range(3))
     qs, ks, vs = call.spec(q), call.spec(k), call.spec(v)
     if qs is None or ks is None or vs is None or qs.ndim < 3:
         return None
-    if _ring_kernel.get() is not None and all(getattr(t, "_hp_ring", False) for t in (q, k, v)):
-        return _ring_strategy(call, q, k, v)
     mask = call.arg(3, "attn_mask")
     mask_spec = call.spec(mask)
     q_t, k_t, v_t, out, seq_split = [], [], [], [], False
@@ -112,7 +78,7 @@ def sdpa_rule(call):
 def _offset_causal(row_start):
     """Local attention of query rows [row_start, row_start + L) under the global causal mask."""
     def local(call, args, kwargs):
-        values = {name: (args[i] if i < len(args) else kwargs.get(name)) for i, name in enumerate(_ARG_NAMES)}
+        values = {name: (args[i] if i < len(args) else kwargs.get(name)) for i, name in enumerate(ARG_NAMES)}
         q, k, v = values["query"], values["key"], values["value"]
         seq = q.ndim - 2
         rows = q.shape[seq]

@@ -1,0 +1,71 @@
+"""The dispatcher's one extension point: interceptors.
+
+A feature built on DTensor sometimes has to follow particular DTensors through the user's code and
+take over the op that finally consumes them. Ring attention is the case: q, k and v travel through
+the user's transposes and views to ``F.scaled_dot_product_attention``, where the ring kernel must
+run instead of the attention rule's all-gather of K/V. An interceptor is pushed for the duration of
+such a call (``intercepting``) and consulted for every dispatched op whose inputs it follows:
+
+* the op is in ``pass_through`` (a pure relayout): it runs as usual and its outputs are followed;
+* the op is in ``consumers``: ``strategy(call)`` replaces the rule's strategy (None: the rule's);
+* any other op reaching a followed tensor raises ``refusal(name)``, since the interceptor could
+  not honour what that op would compute.
+
+The dispatcher knows nothing else about the features that use it.
+"""
+import contextlib
+import contextvars
+import weakref
+
+_stack = contextvars.ContextVar("hp_dispatch_interceptors", default=())
+
+
+class Interceptor:
+    pass_through = frozenset()
+    consumers = frozenset()
+
+    def __init__(self):
+        self._followed = {}
+
+    def follow(self, tensor):
+        self._followed[id(tensor)] = weakref.ref(tensor)
+
+    def follows(self, tensor):
+        ref = self._followed.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    def strategy(self, call):
+        """The strategy for a consumer op, or None to let the op's rule decide."""
+        return None
+
+    def refusal(self, name):
+        return ValueError(f"{type(self).__name__}: the tensors it follows reach {name!r}, which it cannot "
+                          f"take over")
+
+
+@contextlib.contextmanager
+def intercepting(interceptor):
+    token = _stack.set(_stack.get() + (interceptor,))
+    try:
+        yield interceptor
+    finally:
+        _stack.reset(token)
+
+
+def involved(leaves):
+    """The innermost active interceptor that follows one of ``leaves``, or None."""
+    for interceptor in reversed(_stack.get()):
+        if any(interceptor.follows(x) for x in leaves):
+            return interceptor
+    return None
+
+
+def screen(name, leaves):
+    """The interceptor an op on ``leaves`` involves, after refusing ops it cannot pass or consume."""
+    interceptor = involved(leaves) if _stack.get() else None
+    if interceptor is not None and name not in interceptor.pass_through and name not in interceptor.consumers:
+        raise interceptor.refusal(name)
+    return interceptor
+
+
+__all__ = ["Interceptor", "intercepting", "involved", "screen"]
