@@ -279,6 +279,11 @@ class OpRefused(Exception):
 
 
 # ================================================================================ the driver
+# Ops whose result at a NaN / inf input is undefined in torch itself (the polynomial degree n is cast
+# to an integer: the kernel's vectorised and scalar paths disagree), so it depends on shard shapes.
+NAN_UNDEFINED = ("special.chebyshev_polynomial", "special.hermite_polynomial", "special.laguerre_polynomial",
+                 "special.legendre_polynomial", "special.shifted_chebyshev_polynomial")
+
 # Ops whose output is uninitialised memory: only shape, dtype and layout are compared.
 UNINITIALISED = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted"}
 
@@ -340,7 +345,7 @@ def sweep_op(op, mesh, samples=1, layouts=2, nan=True, inplace=True):
             outcome.skipped += 1  # sparse / quantized samples: DTensor is a strided layout
             continue
         variants = [("plain", leaves)]
-        if nan and dtype.is_floating_point:
+        if nan and dtype.is_floating_point and not op.name.startswith(NAN_UNDEFINED):
             for name, value in (("nan", float("nan")), ("inf", float("inf"))):
                 planted = _plant(leaves, value)
                 if planted is not None:

@@ -11,7 +11,7 @@ from hyper_parallel.core.dtensor.fallback import report_missing_rule
 from hyper_parallel.core.dtensor.inplace_shape import reshape_in_place
 from hyper_parallel.core.dtensor.interceptors import screen
 from hyper_parallel.core.dtensor.layout import grad_placements
-from hyper_parallel.core.dtensor.ops.elementwise import elementwise_strategy
+from hyper_parallel.core.dtensor.ops.elementwise import elementwise_strategy, linearity_name
 from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.core.dtensor.spec import DTensorSpec
 from hyper_parallel.core.dtensor.tree import tree_flatten, tree_unflatten
@@ -77,9 +77,17 @@ def _wrap_outputs(result, mesh, placements_for, shape_for, relayout=None):
 
 
 def _alias(func, args, kwargs):
+    """detach / alias / clone / _to_copy keep the layout; a Partial value cast to an integer or bool
+    dtype is reduced first (truncating each piece is not truncating the sum)."""
     src = args[0]
+    dtype = kwargs.get("dtype")
+    spec = src._spec
+    truncates = dtype is not None and not _platform.is_floating_dtype(dtype)
+    if truncates and any(p.is_partial() for p in spec.placements):
+        spec = spec.with_placements(grad_placements(spec.placements))
+        src = as_layout(src, spec)
     local = func(src._local_tensor, *args[1:], **kwargs)
-    return DTensor._make(local, src._spec)
+    return DTensor._make(local, spec)
 
 
 def _like(func, args, kwargs):
@@ -130,7 +138,8 @@ def _pointwise(func, args, kwargs):
     inplace = _is_inplace(func)
     out_shape = tuple(args[0].shape) if inplace else _platform.broadcast_shapes(*[s.shape for s in dt_specs])
     operands = [_as_spec(a, mesh) for a in args if not isinstance(a, (str, type(None)))]
-    targets, out = elementwise_strategy(_op_name(func), dt_specs, operands, out_shape, mesh.ndim)
+    name = linearity_name(_op_name(func), kwargs)
+    targets, out = elementwise_strategy(name, dt_specs, operands, out_shape, mesh.ndim)
     it = iter(targets)
     locals_ = [_move(x, s.with_placements(next(it))) if s is not None else x for x, s in zip(leaves, specs)]
     in_own_layout = inplace and out == args[0]._spec.placements
@@ -292,13 +301,20 @@ def _keep_layout(out, like):
     return as_layout(out, like.with_placements(grad_placements(like.placements)))
 
 
+def _lazy_bit(func, args, kwargs):
+    """_conj / _neg_view only set a bit on the tensor; a DTensor's wrapper cannot carry it for its
+    shard, so the shard's values are conjugated (negated) instead: the same values, no bit."""
+    src = args[0]
+    return DTensor._make(_platform.materialize(func(src._local_tensor, *args[1:], **kwargs)), src._spec)
+
+
 def _reshape_in_place(func, args, kwargs):
     return reshape_in_place(_op_name(func), func, args, kwargs)
 
 
 _HANDLERS = {"alias": _alias, "like": _like, "new_like": _new_like, "fill": _fill, "pointwise": _pointwise,
              "foreach": _foreach, "random": _random, "view": _view, "reshape_in_place": _reshape_in_place,
-             "index_backward": _index_backward}
+             "index_backward": _index_backward, "lazy_bit": _lazy_bit}
 
 
 def dispatch_aten(func, args, kwargs):

@@ -234,6 +234,10 @@ class MindSporePlatform(Platform):
         return out
 
     @staticmethod
+    def is_floating_dtype(dtype):
+        return dtype in (ms.float16, ms.float32, ms.float64, ms.bfloat16, ms.complex64, ms.complex128)
+
+    @staticmethod
     def shares_memory(a, b):
         return False  # MindSpore's PyNative ops return new tensors, never views
 

@@ -19,9 +19,11 @@ _RESHAPE_IN_PLACE = {"t_", "transpose_", "swapdims_", "swapaxes_", "squeeze_", "
 @functools.lru_cache(maxsize=None)
 def aten_kind(func):
     """One of "alias", "like", "new_like", "fill", "foreach", "random", "pointwise", "view",
-    "reshape_in_place", "index_backward", or None (no generic rule)."""
+    "reshape_in_place", "index_backward", "lazy_bit", or None (no generic rule)."""
     if func.overloadpacket.__name__ in _RESHAPE_IN_PLACE:
         return "reshape_in_place"
+    if func.overloadpacket.__name__ in ("_conj", "_neg_view"):
+        return "lazy_bit"
     if func in _NEW_LIKE:
         return "new_like"
     if func in _ALIAS:

@@ -245,6 +245,15 @@ class TorchPlatform(Platform):
         return return_and_correct_aliasing(func, args, kwargs, out)
 
     @staticmethod
+    def materialize(tensor):
+        """A tensor with its lazy conjugate / negative bits applied to its values."""
+        return tensor.resolve_conj().resolve_neg()
+
+    @staticmethod
+    def is_floating_dtype(dtype):
+        return dtype.is_floating_point or dtype.is_complex
+
+    @staticmethod
     def shares_memory(a, b):
         """Whether two tensors are views of one storage (a write into one shows in the other)."""
         return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

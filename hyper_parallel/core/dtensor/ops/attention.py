@@ -52,6 +52,8 @@ def sdpa_rule(call):
     qs, ks, vs = call.spec(q), call.spec(k), call.spec(v)
     if qs is None or ks is None or vs is None or qs.ndim < 3:
         return None
+    if (call.arg(4, "dropout_p", 0.0) or 0.0) > 0:
+        return _whole(call)
     mask = call.arg(3, "attn_mask")
     mask_spec = call.spec(mask)
     q_t, k_t, v_t, out, seq_split = [], [], [], [], False
@@ -73,6 +75,14 @@ def sdpa_rule(call):
         row_start, _ = qs.with_placements(tuple(q_t)).local_box()[qs.ndim - 2]
         local = _offset_causal(row_start)
     return OpStrategy(inputs=inputs, outputs=tuple(out), local=local)
+
+
+def _whole(call):
+    """Attention dropout draws its mask inside the kernel, from the local shapes: only the whole
+    computation on every rank draws the single-device mask under the same seed (random ops on
+    DTensors equal one device). Every input is replicated; the output is too."""
+    replicated = (Replicate(),) * call.mesh_ndim
+    return OpStrategy(inputs=[replicated] * len(call.specs), outputs=replicated)
 
 
 def _offset_causal(row_start):

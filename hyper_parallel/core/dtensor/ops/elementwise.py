@@ -102,11 +102,17 @@ def _operands(call):
             for a in call.args if not isinstance(a, (str, type(None)))]
 
 
+def linearity_name(name, kwargs):
+    """The name the Partial linearity test goes by: a division that rounds (``rounding_mode``) is not
+    linear, so it must not pass for ``div``."""
+    return f"{name}[rounded]" if kwargs.get("rounding_mode") is not None else name
+
+
 @register_rule("elementwise")
 def elementwise_rule(call):
     if not call.specs:
         return None
-    name = get_platform().op_display_name(call.func)
+    name = linearity_name(get_platform().op_display_name(call.func), call.kwargs)
     if name in ("where",) and len(call.args) + len(call.kwargs) < 3:
         return None  # torch.where(cond) returns indices, not an elementwise result
     out_shape = get_platform().broadcast_shapes(*[s.shape for s in call.specs])
@@ -114,4 +120,4 @@ def elementwise_rule(call):
     return OpStrategy(inputs=inputs, outputs=out)
 
 
-__all__ = ["elementwise_strategy", "to_input", "to_output"]
+__all__ = ["elementwise_strategy", "linearity_name", "to_input", "to_output"]

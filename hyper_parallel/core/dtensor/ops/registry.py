@@ -56,6 +56,11 @@ class OpCall:
             self._out_shapes = self._meta_fn()
         return self._out_shapes
 
+    def set_out_shapes(self, shapes):
+        """For rules that know the output shapes without a meta run (which cannot follow every
+        argument, e.g. ``.to("cpu")``)."""
+        self._out_shapes = list(shapes)
+
     def arg(self, position, name, default=None):
         if len(self.args) > position:
             return self.args[position]

@@ -9,6 +9,7 @@ import math
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Replicate, StridedShard
 from hyper_parallel.core.dtensor.layout import local_box
+from hyper_parallel.platform import get_platform
 
 
 def reshape_groups(in_shape, out_shape):
@@ -148,13 +149,27 @@ def permute_rule(call):
     return OpStrategy(inputs=[src.placements], outputs=outputs)
 
 
+def _casts_to_floating(call):
+    """Whether the cast's result is floating: asked of an empty piece of the shard (no meta run)."""
+    empty = call.dtensors[0]._local_tensor.reshape(-1)[:0]
+    rest = [a._local_tensor.reshape(-1)[:0] if call.index(a) is not None else a for a in call.args[1:]]
+    return get_platform().is_floating_dtype(call.func(empty, *rest, **call.kwargs).dtype)
+
+
 @register_rule("identity", "cast")
 def identity_rule(call):
+    """Copies and casts keep the layout. A Partial value survives a cast to a floating dtype (sums
+    commute with it up to rounding) but not to an integer or bool one (truncating each piece is not
+    truncating the sum): there it is reduced first."""
     src = call.specs[0]
     if call.index(call.args[0]) != 0:
         return None
+    call.set_out_shapes([src.shape])  # a meta run cannot follow .to("cpu")
+    placements = src.placements
+    if any(p.is_partial() for p in placements) and call.name == "cast" and not _casts_to_floating(call):
+        placements = tuple(Replicate() if p.is_partial() else p for p in placements)
     others = [s.placements if i else None for i, s in enumerate(call.specs)]
-    return OpStrategy(inputs=[src.placements] + others[1:], outputs=src.placements)
+    return OpStrategy(inputs=[placements] + others[1:], outputs=placements)
 
 
 @register_rule("view_as_real", "view_as_complex")
