@@ -4,9 +4,10 @@
 * raw: the same algorithm written by hand with the platform's differentiable collectives only,
   the yardstick for the framework's own overhead.
 
-Each mode also knows its closed-form communication volume (SPEC §8) and the causal work each
-rank's kernel does (for the imbalance column). Tensors are reached only through the framework
-adapter (``cp_frameworks``), so the same modes run on torch and on MindSpore.
+Each mode also knows its closed-form communication volume (docs/context_parallel.md, "Communication
+volume per rank") and the causal work each rank's kernel does (for the imbalance column). Tensors
+are reached only through the framework adapter (``cp_frameworks``), so the same modes run on torch
+and on MindSpore.
 """
 from dataclasses import dataclass
 from typing import Callable
@@ -46,7 +47,7 @@ class Mode:
         return module
 
     def formula_elements(self, cfg, world):
-        """Elements one rank sends in one forward (SPEC §8)."""
+        """Elements one rank sends in one forward: the closed form of docs/context_parallel.md."""
         B, S, P, hq, hkv, D = cfg.batch, cfg.seq, world, cfg.heads, cfg.kv_heads, cfg.head_dim
         base = self.name.replace(" (raw)", "")
         if base == "ulysses":

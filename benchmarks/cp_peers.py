@@ -28,7 +28,7 @@ from benchmarks.cp_modes import Mode
 @dataclass
 class PeerMode(Mode):
     factory: object = None
-    formula_as: str = "ulysses"      # the MODES row whose closed form (SPEC §8) and causal work apply
+    formula_as: str = "ulysses"      # the MODES row whose closed form and causal work apply
     forward_only: bool = False
 
     def build(self, cfg, mesh, fw=None):

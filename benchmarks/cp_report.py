@@ -55,7 +55,7 @@ def notes(rows, capabilities, fw):
         cause = (f"this platform emulates {', '.join(emulated)} with all-gather / all-reduce (see the "
                  "header), which sends more than a native collective" if emulated
                  else "more traffic than the plan needs")
-        out.append(f"note: sent/rank exceeds the formula (SPEC §8, native collectives) in "
+        out.append(f"note: sent/rank exceeds the formula (its closed form assumes native collectives) in "
                    f"{', '.join(above)}: {cause}.")
     if fw.solo_timing_unsupported:
         out.append(f"note: reference timed on every rank at once, not on rank 0 alone: "

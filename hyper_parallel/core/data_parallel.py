@@ -1,4 +1,6 @@
-"""data_parallel(module, mesh): all-reduce every parameter gradient over a data-parallel mesh (SPEC §9).
+"""data_parallel(module, mesh): all-reduce every parameter gradient over a data-parallel mesh.
+
+The contract and its use in a training step: docs/training.md.
 
 The mesh is whatever set of ranks saw different tokens for the same parameters: a "dp" mesh, the
 "cp" mesh (each context-parallel rank sees only its sequence block), or a flattened dp×cp mesh.

@@ -1,4 +1,4 @@
-"""Hugging Face transformers: ``parallelize_model(model, mesh, tp="tp", cp="cp", **cp_kwargs)`` (SPEC §9).
+"""Hugging Face transformers: ``parallelize_model(model, mesh, tp="tp", cp="cp", **cp_kwargs)``.
 
     from hyper_parallel.integrations.transformers import parallelize_model
     mesh = init_device_mesh("cuda", (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))

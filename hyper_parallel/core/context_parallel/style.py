@@ -1,4 +1,4 @@
-"""ContextParallel: a ParallelStyle for core-attention modules (SPEC §6).
+"""ContextParallel: a ParallelStyle for core-attention modules (contract: docs/context_parallel.md).
 
 Each rank passes its contiguous block of the sequence. Depending on ``ulysses_degree`` (ds) the
 style runs Ulysses (all-to-all sequence → heads), all-gather KV (queries stay split, K/V gathered,
