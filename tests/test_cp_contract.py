@@ -221,8 +221,17 @@ def _dims_and_ranks_case(rank, world):
                             ({"head_dim": 7}, ("head_dim=7", "out of range")),
                             ({"seq_dim": -3, "head_dim": 1}, ("seq_dim=-3", "same dim 1"))):
             _expect_value_error(lambda: call(style, q, k, v, **dims), *words)
-        # BNSD dims on BSHD data with GQA: only the other layout fits
-        _expect_value_error(lambda: call(style, q, k4, v4, seq_dim=2, head_dim=1), "seq_dim=1, head_dim=2")
+        # BNSD dims on BSHD data with GQA: q and k/v may differ in length (cross-attention), so this
+        # reads as a valid cross-attention except where the mode needs equal lengths (ring)
+        if style is RING:
+            _expect_value_error(lambda: call(style, q, k4, v4, seq_dim=2, head_dim=1), "seq_dim=1, head_dim=2",
+                                "same length")
+        # k/v longer than q (each split over the ranks): the ring needs equal lengths
+        k2, v2 = torch.cat([k, k], 1), torch.cat([v, v], 1)
+        if style is RING:
+            _expect_value_error(lambda: call(style, q, k2, v2), "kv_exchange='allgather'", "same length")
+        # only k's length differs across ranks
+        _expect_value_error(lambda: call(style, q, k2 if rank == 0 else k, v), "k blocks of different shapes")
         q6 = torch.randn(B, q.shape[1], 6, D)
         _expect_value_error(lambda: call(style, q6, k4, v4), "6 heads", "divide")
         _expect_value_error(lambda: call(style, q, k, v4), "k (", "v (")

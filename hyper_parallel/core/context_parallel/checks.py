@@ -4,6 +4,14 @@ First one small all-reduce (one per CP mesh dim, tag "shape_check") tells every 
 ranks passed q, k, v of one ndim, dtype and shape; only then are the per-rank checks safe, because
 they see the same shapes everywhere and so raise the same ValueError on every rank. A rank that
 raised alone would leave the others waiting in the first data collective.
+
+The length rule: each of q, k, v is split along the sequence over the CP ranks, so each has ONE
+local length on every rank (checked across ranks), k and v have the same length and heads, and
+q's length may differ from k/v's (cross-attention, TND packs with other key lengths): every mode
+but the ring handles that. The ring pairs q block i with k/v block i (causal skip / diagonal,
+zigzag chunk ids), so it needs equal lengths. A plain k/v holding the whole sequence beside a CP
+q (a "guess" the style must not make) has the ambiguous length cp x q's block; it is told apart
+from a genuine longer block by its content: the same k/v on every rank is the whole sequence.
 """
 import zlib
 
@@ -27,19 +35,50 @@ def _signature(t):
     return [len(shape), zlib.crc32(str(t.dtype).encode()) & 0xFFFFFF] + dims
 
 
-def check_across_ranks(cp_mesh, tensors):
-    """Raise the same ValueError on every CP rank unless all ranks passed equal signatures."""
+def fingerprint(t):
+    """A positive int equal on ranks holding equal data (and almost surely different otherwise);
+    only taken for the ambiguous "whole sequence or a longer block?" plain k/v (see
+    suspect_whole_sequence), so it costs nothing in the usual case."""
+    x = t.detach().reshape(-1).float()
+    x = x.nan_to_num(nan=0.5, posinf=0.25, neginf=-0.25)
+    parts = (float(x.sum()), float((x * x).sum()), float(x[::7].sum()), float(x[:1].sum()),
+             float(x[-1:].sum()))
+    return 1 + (zlib.crc32(repr(parts).encode()) & 0x3FFFFFFF)
+
+
+def suspect_whole_sequence(style, qkv, raw, q_block, cp_size):
+    """Fingerprints (0 = not taken) of plain k/v whose local length is cp_size x q's block: the
+    one length at which a plain k/v may be the whole sequence rather than this rank's block."""
+    from hyper_parallel.core.dtensor.dtensor import DTensor
+    prints = [0, 0, 0]
+    ndim = raw[0].ndim
+    if cp_size == 1 or q_block is None or not -ndim <= style.seq_dim < ndim:
+        return prints
+    seq = style.seq_dim % ndim
+    for i in (1, 2):
+        t = qkv[i]
+        if (not isinstance(t, DTensor) and t.ndim == ndim and int(t.shape[seq]) == cp_size * q_block
+                and int(t.numel()) > 0):
+            prints[i] = fingerprint(t)
+    return prints
+
+
+def check_across_ranks(cp_mesh, tensors, prints=(0, 0, 0)):
+    """Raise the same ValueError on every CP rank unless all ranks passed equal signatures.
+    Returns, per tensor, whether its fingerprint (``prints``, 0 = none) is the same on every rank."""
     platform = get_platform()
     signature = []
     for t in tensors:
         signature.extend(_signature(t))
+    signature.extend(int(p) for p in prints)
     probe = platform.tensor(signature + [-x for x in signature])
     for m in range(cp_mesh.ndim):
         probe = platform.all_reduce(probe, cp_mesh.get_group(m), "max", tag="shape_check")
     values = [int(x) for x in probe.tolist()]
     top, bottom = values[:len(signature)], [-x for x in values[len(signature):]]
-    if top == bottom:
-        return
+    n = len(tensors) * _WIDTH
+    if top[:n] == bottom[:n]:
+        return [p > 0 and hi == lo for p, hi, lo in zip(prints, top[n:], bottom[n:])]
     for i, name in enumerate(NAMES[:len(tensors)]):
         hi, lo = top[i * _WIDTH:(i + 1) * _WIDTH], bottom[i * _WIDTH:(i + 1) * _WIDTH]
         if hi[0] != lo[0]:
@@ -74,8 +113,9 @@ def normalise_dims(style, ndims):
     return tuple(dims)
 
 
-def _problem(shapes, seq, head):
-    """Why q/k/v of these (per-CP-rank block) shapes cannot be attention inputs with these dims."""
+def _problem(shapes, seq, head, equal_lengths=None):
+    """Why q/k/v of these (per-CP-rank block) shapes cannot be attention inputs with these dims.
+    ``equal_lengths``: why the mode needs q and k/v of one length (None: they may differ)."""
     q, k, v = shapes
     if q[seq] == 0:
         return (f"the local sequence block is empty (q has 0 tokens on dim {seq}); every rank needs at least "
@@ -83,22 +123,53 @@ def _problem(shapes, seq, head):
     if (k[seq], k[head]) != (v[seq], v[head]):
         return (f"k {k} and v {v} differ on the sequence dim {seq} or the head dim {head}; they must "
                 f"hold the same tokens and heads")
-    if q[seq] != k[seq]:
+    if k[seq] == 0:
+        return (f"the local k/v block is empty (k has 0 tokens on dim {seq}); every rank needs at least "
+                f"one key: pad the key sequence to a multiple of the CP size")
+    if equal_lengths and q[seq] != k[seq]:
         return (f"q {q} has {q[seq]} tokens on the sequence dim {seq} but k/v {k} have {k[seq]}; "
-                f"ContextParallel splits one sequence, so q, k and v need the same length")
+                f"{equal_lengths}, so q and k/v need the same length")
     if k[head] == 0 or q[head] % k[head]:
         return (f"q has {q[head]} heads on the head dim {head} and k/v have {k[head]}: the k/v heads must "
                 f"divide the q heads (GQA)")
     return None
 
 
-def check_layout(style, shapes, seq, head):
-    """A ValueError when the shapes contradict seq_dim/head_dim, suggesting the layout they fit."""
-    problem = _problem(shapes, seq, head)
+def _equal_lengths(style, cp_size):
+    """Why this mode needs q and k/v of one local length, or None."""
+    if style.kv_exchange == "ring" and cp_size > 1:
+        what = "zigzag chunk ids" if style.load_balance else "the causal skip / diagonal of each block pair"
+        return (f"kv_exchange='ring' pairs q block i with k/v block i ({what}); use "
+                f"kv_exchange='allgather' for q and k/v of different lengths")
+    return None
+
+
+def check_layout(style, shapes, seq, head, cp_size=1):
+    """A ValueError when the shapes contradict seq_dim/head_dim, suggesting the layout they fit.
+    q and k/v may differ in length (each split over the ranks) unless the mode needs them equal.
+
+    Given up: with lengths free, dims swapped on self-attention data (BNSD dims on BSHD q/k/v with
+    GQA, say) read as a valid cross-attention (the heads as lengths) and cannot be told by shape;
+    only where a check fails (ring, heads, k vs v) does the message name the other layout."""
+    equal = _equal_lengths(style, cp_size)
+    problem = _problem(shapes, seq, head, equal)
     if problem is None:
         return
     hint = ""
-    if _problem(shapes, head, seq) is None:
+    if _problem(shapes, head, seq, equal) is None:
         hint = (f"; the shapes fit seq_dim={head}, head_dim={seq}: are q/k/v in the other layout "
                 f"(BSHD vs BNSD)?")
     raise ValueError(f"ContextParallel(seq_dim={style.seq_dim}, head_dim={style.head_dim}): {problem}{hint}")
+
+
+def check_whole_sequence(same, shapes, seq, cp_size):
+    """Raise (on every rank: ``same`` came from the all-reduce) when a plain k/v of cp x q's length
+    is the same tensor on every rank: the whole sequence, not this rank's block."""
+    for name, hit, shape in zip(NAMES, same, shapes):
+        if hit:
+            raise ValueError(
+                f"ContextParallel: {name} {tuple(shape)} is a plain tensor identical on every CP rank and "
+                f"{cp_size} x as long as q's block ({shapes[0][seq]} tokens): it is the whole sequence, "
+                f"not this rank's block, and ContextParallel does not guess. Pass this rank's block (for "
+                f"self-attention the same length as q's block), or a DTensor (Replicate() for the whole "
+                f"sequence)")

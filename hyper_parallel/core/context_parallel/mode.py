@@ -3,7 +3,8 @@ return the output in the caller's layout (read from the output, see output.py)."
 from dataclasses import dataclass
 
 from hyper_parallel.core.context_parallel.checks import (NAMES, check_across_ranks, check_layout,
-                                                         normalise_dims)
+                                                         check_whole_sequence, normalise_dims,
+                                                         suspect_whole_sequence)
 from hyper_parallel.core.context_parallel.layouts import input_placements, mode_placements
 from hyper_parallel.core.context_parallel.load_balance import merge_head_tail, split_head_tail
 from hyper_parallel.core.context_parallel.output import first_output, to_caller
@@ -63,15 +64,27 @@ def _block_shape(t, policy, seq, cp_mesh):
     return tuple(shape)
 
 
+def _q_block_length(style, q, policy, cp_mesh):
+    """q's local sequence length on this rank (None where the dims are invalid: raised later)."""
+    if not -q.ndim <= style.seq_dim < q.ndim:
+        return None
+    n = int(q.shape[style.seq_dim % q.ndim])
+    return n // cp_mesh.size() if isinstance(q, DTensor) and policy == "cp" else n
+
+
 def _prepare(style, cp_mesh, qkv):
     """Every check first (one small all-reduce, then checks every rank agrees on), then the inputs
     on the working mesh."""
     raw = [t.to_local() if isinstance(t, DTensor) else t for t in qkv]
-    check_across_ranks(cp_mesh, raw)
-    seq, head = normalise_dims(style, [t.ndim for t in raw])
     policy = _policy(qkv[0], cp_mesh)
+    prints = suspect_whole_sequence(style, qkv, raw, _q_block_length(style, qkv[0], policy, cp_mesh),
+                                    cp_mesh.size())
+    same = check_across_ranks(cp_mesh, raw, prints)
+    seq, head = normalise_dims(style, [t.ndim for t in raw])
     _check_meshes(qkv, policy, cp_mesh)
-    check_layout(style, [_block_shape(t, policy, seq, cp_mesh) for t in qkv], seq, head)
+    shapes = [_block_shape(t, policy, seq, cp_mesh) for t in qkv]
+    check_layout(style, shapes, seq, head, cp_mesh.size())
+    check_whole_sequence(same, shapes, seq, cp_mesh.size())
     if policy == "foreign":
         return _foreign(cp_mesh, qkv, seq, head)
     blocks = [t.redistribute(placements=[Shard(seq)] * t.device_mesh.ndim).to_local()
