@@ -14,12 +14,12 @@ any backward op.
 import functools
 import inspect
 
-from hyper_parallel.core.dtensor import writeback
+from hyper_parallel.core.dtensor import decision_cache, writeback
 from hyper_parallel.core.dtensor.interceptors import screen
 from hyper_parallel.core.dtensor.dtensor import DTensor, GradPassThrough, _from_local, _to_local, as_layout
 from hyper_parallel.core.dtensor.layout import grad_placements
 from hyper_parallel.core.dtensor.ops import get_rule
-from hyper_parallel.core.dtensor.ops.registry import OpCall
+from hyper_parallel.core.dtensor.ops.registry import OpCall, is_cacheable
 from hyper_parallel.core.dtensor.placement_types import Partial, Replicate
 from hyper_parallel.core.dtensor.spec import DTensorSpec
 from hyper_parallel.core.dtensor.tree import tree_flatten, tree_unflatten
@@ -155,8 +155,7 @@ def dispatch_function(name, func, args, kwargs):
     call_args, call_kwargs = tree_unflatten(leaves, structure)
     call = OpCall(name, func, call_args, call_kwargs, mesh, [x for x in leaves if isinstance(x, DTensor)],
                   meta_fn=lambda: meta_outputs(func, call_args, call_kwargs))
-    strategy = interceptor.strategy(call) if interceptor and name in interceptor.consumers else None
-    strategy = strategy or rule(call)
+    strategy = _decide(call, rule, interceptor, leaves, structure)
     if strategy is None:
         return NotImplemented
     out_placements = strategy.outputs if isinstance(strategy.outputs, list) else \
@@ -178,6 +177,27 @@ def dispatch_function(name, func, args, kwargs):
     if view_base is not None:
         _mark_views(wrapped, view_base, func, args, kwargs, autograd_view=False)
     return tree_unflatten(wrapped, out_structure)
+
+
+def _decide(call, rule, interceptor, leaves, structure):
+    """The call's strategy: the interceptor's, a cached decision, or the rule's (then cached)."""
+    if interceptor is not None and call.name in interceptor.consumers:
+        strategy = interceptor.strategy(call)
+        if strategy is not None:
+            return strategy
+    key = None
+    if interceptor is None and is_cacheable(call.name):
+        key = decision_cache.signature(call.name, call.func, call.mesh, leaves, structure,
+                                       _platform.is_tensor, DTensor)
+        found = decision_cache.lookup(key)
+        if found is not None:
+            call.set_out_shapes(found[1])
+            return found[0]
+    decision_cache.STATS["rule_evaluations"] += 1
+    strategy = rule(call)
+    if key is not None and strategy is not None:
+        decision_cache.store(key, strategy, call.out_shapes)
+    return strategy
 
 
 def _run_on_shards(call, strategy, leaves, structure, targets, out_placements, tracked):

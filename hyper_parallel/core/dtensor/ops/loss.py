@@ -63,7 +63,7 @@ def _replicated(call):
     return OpStrategy(inputs=[rep] * len(call.specs), outputs=rep)
 
 
-@register_rule("cross_entropy")
+@register_rule("cross_entropy", cacheable=False)  # reads whether loss_parallel() is on
 def cross_entropy_rule(call):
     v = _values(call.args, call.kwargs)
     x, target = v["input"], v["target"]

@@ -10,14 +10,25 @@ from dataclasses import dataclass
 _RULES = {}
 
 
-def register_rule(*names):
+_UNCACHEABLE = set()
+
+
+def register_rule(*names, cacheable=True):
+    """Register ``fn`` for op ``names``. ``cacheable=False`` for a rule whose decision reads state
+    outside the call (see decision_cache.py)."""
     def decorator(fn):
         for name in names:
             if name in _RULES:
                 raise ValueError(f"a sharding rule for {name!r} is already registered")
             _RULES[name] = fn
+            if not cacheable:
+                _UNCACHEABLE.add(name)
         return fn
     return decorator
+
+
+def is_cacheable(name):
+    return name not in _UNCACHEABLE
 
 
 def get_rule(name):
