@@ -1,8 +1,15 @@
 """pytest configuration: stop the multi-process worker pools when the session ends, and print the
 op sweep's table (tests/test_op_sweep.py) when it ran."""
+import os
 import sys
 
 import pytest
+
+# ContextParallel checks ranks against each other on a new input signature only (the steady state
+# sends nothing extra). The worker pools outlive a test, so a later test's mismatched shapes could
+# meet a signature an earlier test verified: the suite runs in debug mode, which checks every call;
+# tests/test_cp_steady_state.py covers the default.
+os.environ.setdefault("HP_CP_DEBUG", "1")
 
 from tests.harness import shutdown_pools
 

@@ -13,6 +13,7 @@ zigzag chunk ids), so it needs equal lengths. A plain k/v holding the whole sequ
 q (a "guess" the style must not make) has the ambiguous length cp x q's block; it is told apart
 from a genuine longer block by its content: the same k/v on every rank is the whole sequence.
 """
+import os
 import zlib
 
 from hyper_parallel.platform import get_platform
@@ -61,6 +62,33 @@ def suspect_whole_sequence(style, qkv, raw, q_block, cp_size):
                 and int(t.numel()) > 0):
             prints[i] = fingerprint(t)
     return prints
+
+
+_VERIFIED = set()
+
+
+def debug_checks():
+    return os.environ.get("HP_CP_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def first_call_of_signature(style, cp_mesh, qkv):
+    """Whether this call's inputs need the cross-rank check: the first call with their shapes,
+    dtypes and layouts (per style and mesh), or every call with ``HP_CP_DEBUG=1``. A training loop
+    repeats a few signatures, so the steady state adds no collective and no host sync. What is given
+    up: ranks that disagree only after this rank has verified its own signature are not caught
+    here but by the attention's collectives (a collective error or timeout, see init_device_mesh's
+    ``timeout=``); debug mode catches them with a ValueError."""
+    from hyper_parallel.core.dtensor.dtensor import DTensor
+    if debug_checks():
+        return True
+    key = (id(style), cp_mesh, tuple((tuple(t.shape), t.dtype,
+                                      t.placements if isinstance(t, DTensor) else None) for t in qkv))
+    if key in _VERIFIED:
+        return False
+    if len(_VERIFIED) > 4096:
+        _VERIFIED.clear()
+    _VERIFIED.add(key)
+    return True
 
 
 def check_across_ranks(cp_mesh, tensors, prints=(0, 0, 0)):

@@ -3,6 +3,7 @@ return the output in the caller's layout (read from the output, see output.py)."
 from dataclasses import dataclass
 
 from hyper_parallel.core.context_parallel.checks import (NAMES, check_across_ranks, check_layout,
+                                                         first_call_of_signature,
                                                          check_whole_sequence, normalise_dims,
                                                          suspect_whole_sequence)
 from hyper_parallel.core.context_parallel.layouts import input_placements, mode_placements
@@ -77,9 +78,11 @@ def _prepare(style, cp_mesh, qkv):
     on the working mesh."""
     raw = [t.to_local() if isinstance(t, DTensor) else t for t in qkv]
     policy = _policy(qkv[0], cp_mesh)
-    prints = suspect_whole_sequence(style, qkv, raw, _q_block_length(style, qkv[0], policy, cp_mesh),
-                                    cp_mesh.size())
-    same = check_across_ranks(cp_mesh, raw, prints)
+    same = [False] * len(raw)
+    if first_call_of_signature(style, cp_mesh, qkv):
+        prints = suspect_whole_sequence(style, qkv, raw, _q_block_length(style, qkv[0], policy, cp_mesh),
+                                        cp_mesh.size())
+        same = check_across_ranks(cp_mesh, raw, prints)
     seq, head = normalise_dims(style, [t.ndim for t in raw])
     _check_meshes(qkv, policy, cp_mesh)
     shapes = [_block_shape(t, policy, seq, cp_mesh) for t in qkv]
