@@ -10,15 +10,31 @@ from tests.harness.frameworks import run_on
 pytestmark = pytest.mark.mindspore
 
 
-@pytest.mark.parametrize("world_size,mesh_shape", [(2, (2,)), (4, (2, 2))], ids=["1d-2", "2d-2x2"])
-def test_mindspore_op_sweep(world_size, mesh_shape):
-    results = run_on("mindspore", world_size, ms_op_sweep.sweep, list(mesh_shape), timeout=600)
+@pytest.mark.parametrize("world_size,mesh_shape,uneven", [(2, (2,), False), (4, (2, 2), False), (4, (4,), True)],
+                         ids=["1d-2", "2d-2x2", "1d-4-uneven"])
+def test_mindspore_op_sweep(world_size, mesh_shape, uneven):
+    """On the 1-D mesh of 4 every input is sharded on a dim 4 does not divide: uneven pieces, the
+    last ones empty (6 -> 2, 2, 2, 0), which MindSpore's kernels mishandle (empty reductions return
+    uninitialised memory)."""
+    results = run_on("mindspore", world_size, ms_op_sweep.sweep, list(mesh_shape), None, uneven, timeout=600)
     rows, failures = results[0]
-    print(f"\nMindSpore op sweep on mesh {mesh_shape} (world {world_size}):")
+    print(f"\nMindSpore op sweep on mesh {mesh_shape} (world {world_size}{', uneven/empty shards' if uneven else ''}):")
     print(ms_op_sweep.table({mesh_shape: rows}))
-    assert len(rows) >= 50, len(rows)
+    assert len(rows) >= (len(ms_op_sweep.UNEVEN_SAMPLE) if uneven else 50), len(rows)
     assert not failures, "\n".join(failures)
     assert all(r == results[0] for r in results), "ranks disagree"
+
+
+@pytest.mark.xfail(strict=True, reason="core computes these local pieces with a raw .sum(), which MindSpore "
+                   "leaves uninitialised on an empty piece (reductions._mean_local, "
+                   "embedding._vocab_parallel_local); see docs/mindspore.md, Limitations")
+def test_mindspore_core_empty_piece_reductions():
+    """Silent wrong results that the MindSpore platform cannot fix (core's rules call .sum() on the
+    local piece directly). Strict: when core is fixed this XPASSes and fails -- drop the mark."""
+    results = run_on("mindspore", 4, ms_op_sweep.core_empty_piece_cases, timeout=300)
+    assert all(r == results[0] for r in results), "ranks disagree"
+    bad = {k: v for k, v in results[0].items() if not (isinstance(v, float) and v < 1e-5)}
+    assert not bad, bad
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

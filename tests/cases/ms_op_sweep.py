@@ -110,6 +110,15 @@ def op_table():
     ]
 
 
+# the sample run on a 1-D mesh of 4 with uneven / empty pieces (sweep(uneven=True)): rules that
+# reduce, contract, view, slice or concatenate a piece, and a few fallbacks (gathering empty pieces)
+UNEVEN_SAMPLE = ("add/sub broadcast", "mul/div", "maximum/minimum NaN", "where/masked_fill", "matmul", "@ 3-D",
+                 "bmm", "linear", "sum all/dim", "mean dim keepdim", "sum NaN", "amax/amin", "max/min all",
+                 "max(dim) values", "argmax", "norm", "prod", "reshape/view", "swapaxes/permute/transpose",
+                 "getitem", "narrow/split/chunk", "cat", "mint.cat", "softmax/log_softmax", "embedding gather",
+                 "cross_entropy")
+
+
 def _inputs(specs, name):
     xs = []
     for i, spec in enumerate(specs):
@@ -123,11 +132,17 @@ def _inputs(specs, name):
     return xs
 
 
-def _choices(x, mesh_ndim):
+def _choices(x, mesh_ndim, uneven_over=None):
     """Placements to try for input ``x``: every Shard dim, Replicate and Partial (floats) on a 1-D
-    mesh; two mixed pairs on a 2-D mesh."""
+    mesh; two mixed pairs on a 2-D mesh. With ``uneven_over=n`` (a 1-D mesh of n ranks, sampled):
+    only the Shard dims that n does not divide -- torch.chunk-style uneven pieces, the last ones
+    EMPTY for the sweep's shapes on 4 ranks (6 -> 2, 2, 2, 0; 2 -> 1, 1, 0, 0) -- or Shard(0) when
+    every dim divides."""
     shards = [f"S{d}" for d in range(x.ndim)]
     partial = ["P"] if x.dtype == np.float32 else []
+    if uneven_over:
+        uneven = [f"S{d}" for d in range(x.ndim) if x.shape[d] % uneven_over]
+        return [[p] for p in (uneven or shards[:1] or ["R"])]
     if mesh_ndim == 1:
         return [[p] for p in shards + ["R"] + partial]
     # sampled (world 4 is slow on a small machine): a shard on each mesh dim, and Partial
@@ -135,9 +150,9 @@ def _choices(x, mesh_ndim):
     return [[shards[0] if shards else "R", last], ["P" if partial else "R", last]]
 
 
-def _combos(xs, mesh_ndim):
+def _combos(xs, mesh_ndim, uneven_over=None):
     """Each placement of each input at least once, inputs varied together (not the product)."""
-    choices = [_choices(x, mesh_ndim) for x in xs]
+    choices = [_choices(x, mesh_ndim, uneven_over) for x in xs]
     n = max(len(c) for c in choices)
     return [[c[k % len(c)] for c in choices] for k in range(n)]
 
@@ -214,19 +229,20 @@ def _merge(xs, float_pos, floats):
     return out
 
 
-def sweep(rank, world_size, mesh_shape, names=None):
+def sweep(rank, world_size, mesh_shape, names=None, uneven=False):
     """Every op of :func:`op_table` (or those in ``names``) on the mesh ``mesh_shape``: returns
     ``(rows, failures)``; rows are (op, status, placements tried), failures name op, placements and
-    the difference."""
+    the difference. ``uneven`` (1-D mesh): only placements giving uneven / empty pieces."""
     from hyper_parallel import init_device_mesh
     mesh = init_device_mesh("cpu", tuple(mesh_shape))
     rows, failures = [], []
     for name, fn, specs in op_table():
-        if names is not None and name not in names:
+        if (names is not None and name not in names) or (uneven and name not in UNEVEN_SAMPLE):
             continue
         xs = _inputs(specs, name)
         statuses = set()
-        for combo in _combos(xs, mesh.ndim):
+        uneven_over = mesh_shape[0] if uneven and len(mesh_shape) == 1 else None
+        for combo in _combos(xs, mesh.ndim, uneven_over):
             placements = [_placements(c) for c in combo]
             what = f"{name} {['/'.join(c) for c in combo]} on mesh {tuple(mesh_shape)}"
             try:
@@ -245,6 +261,40 @@ def sweep(rank, world_size, mesh_shape, names=None):
                 failures.append(f"{what}: {problem}"[:600])
         rows.append((name, " + ".join(sorted(statuses)) or "-"))
     return rows, failures
+
+
+def core_empty_piece_cases(rank, world_size):
+    """Reductions that core's rules compute with a raw ``.sum()`` on the local piece, which
+    MindSpore's CPU kernels leave uninitialised when that piece is empty (6 over 4 ranks: 2, 2, 2,
+    0): the mean rule's Partial piece (``reductions._mean_local``) and the vocab-parallel
+    embedding's empty-table link (``embedding._vocab_parallel_local``). Returns {case: max abs
+    error or the error raised}, the same on every rank; memory is filled with 7.0 first so that the
+    uninitialised value is visible."""
+    import mindspore as ms
+    from mindspore import ops
+    from hyper_parallel import DTensor, init_device_mesh
+    from tests.cases.dtensor import local_piece
+    mesh = init_device_mesh("cpu", (world_size,))
+    a, table = inp("cepa", 0, (4, 6)), inp("cept", 0, (6, 4))
+    ids = np.random.RandomState(0).randint(0, 6, (2, 4)).astype(np.int32)
+    cases = {"mean over all, Shard(1)": (lambda x: x.mean(), [a], ["S1"]),
+             "mean over dim 1, Shard(1)": (lambda x: x.mean(1), [a], ["S1"]),
+             "embedding gather, table Shard(0)": (lambda i, w: ops.gather(w, i, 0), [ids, table], ["R", "S0"])}
+    out = {}
+    for name, (fn, xs, pls) in cases.items():
+        ref = current().numpy(fn(*[t(x) for x in xs]))
+        ds = [DTensor.from_local(t(local_piece(x, _placements([p]), mesh)), mesh, _placements([p]), shape=x.shape)
+              for x, p in zip(xs, pls)]
+        for k in (1, 4, 8, 24):
+            (ms.Tensor(np.full((k,), 7.0, np.float32)) * 1.0).asnumpy()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                got = current().numpy(fn(*ds).full_tensor())
+                out[name] = float(np.abs(got.astype(np.float64) - ref).max())
+            except Exception as exc:   # noqa: BLE001  (reported)
+                out[name] = f"{type(exc).__name__}: {exc}"[:300]
+    return out
 
 
 def table(rows_by_mesh):

@@ -77,20 +77,56 @@ def _has_empty(args):
 
 
 def _empty_safe(op, args, kwargs):
-    """An op with an empty local input (an uneven shard) whose outputs are all empty, or a matmul
-    whose contraction is empty: the outputs do not depend on the inputs, so every input gradient is
-    zero. MindSpore's engine may then skip the backward of the ops that produced the inputs (it does
-    for matmul), while the other ranks run the collectives in those backwards -- a deadlock. This
-    custom function returns explicit zero gradients instead, which keeps every rank's backward
-    running the same collectives. Other ops with empty inputs run as they are."""
+    """An op with an empty local input (an uneven shard) whose outputs are all empty, a matmul
+    whose contraction is empty, or a reduction of an empty input: the outputs do not depend on the
+    input values, so every input gradient is zero. MindSpore's engine may then skip the backward of
+    the ops that produced the inputs (it does for matmul), while the other ranks run the
+    collectives in those backwards -- a deadlock. This custom function returns explicit zero
+    gradients instead, which keeps every rank's backward running the same collectives.
+
+    MindSpore's CPU reduction kernels (ReduceSum, mean, prod, max/min...) and matmul leave their
+    output UNINITIALISED when the input is empty -- it holds whatever the memory pool last put
+    there (often an earlier result) instead of the reduction's identity. An empty piece of an
+    uneven Shard reduced by the sum rule then adds garbage to the Partial sum: a silent wrong
+    result. Such outputs are therefore filled here: sum 0, mean NaN, prod 1 (as torch); max / min
+    of an empty input raise, as torch does (core's amax / amin rule gathers a dim with an empty
+    piece, so only a globally empty input gets there). Other ops with empty inputs run as they
+    are."""
     shapes = op.shape_fn(*_to_meta(args), **kwargs)
     outs = shapes if isinstance(shapes, (tuple, list)) else (shapes,)
     all_empty = all(0 in o.shape for o in outs if isinstance(o, meta.MetaTensor))
-    contraction = op.ms_name in _MATMULS and len(args) >= 1 and _is_ms_tensor(args[0]) and \
-        args[0].shape and args[0].shape[-1] == 0
+    first = args[0] if args and _is_ms_tensor(args[0]) else None
+    contraction = op.ms_name in _MATMULS and first is not None and first.shape and first.shape[-1] == 0
+    if not all_empty and first is not None and 0 in tuple(first.shape):
+        if op.ms_name in _EMPTY_REDUCTION_ERRORS:
+            raise IndexError(f"{op.ms_name}: reduction of an empty tensor (shape {tuple(first.shape)}) has no "
+                             f"identity (torch raises too)")
+        if op.ms_name in _EMPTY_REDUCTION_FILL:
+            return _ZeroGrad.apply(_Filled(op, _EMPTY_REDUCTION_FILL[op.ms_name]), args, kwargs, *_tensors(args))
     if not (all_empty or contraction):
         return op.run(*args, **kwargs)
     return _ZeroGrad.apply(op, args, kwargs, *_tensors(args))
+
+
+class _Filled:
+    """``op`` on an empty input: its outputs' shapes and dtypes, filled with ``value``."""
+
+    def __init__(self, op, value):
+        self.op, self.value = op, value
+
+    def run(self, *args, **kwargs):
+        from mindspore import ops
+        out = self.op.run(*args, **kwargs)
+        if isinstance(out, (tuple, list)):
+            return type(out)(ops.full_like(o, self.value) for o in out)
+        return ops.full_like(out, self.value)
+
+
+# what a reduction of an empty input gives (torch's values); MindSpore's kernels leave it unset
+_EMPTY_REDUCTION_FILL = {"SumExt": 0, "ReduceSum": 0, "MeanExt": float("nan"), "ReduceMean": float("nan"),
+                         "ProdExt": 1, "ReduceProd": 1}
+_EMPTY_REDUCTION_ERRORS = {"ReduceMax", "AmaxExt", "ReduceMin", "AminExt", "Max", "MaxDim", "Min", "MinDim",
+                           "ArgMaxExt", "Argmax", "ArgMinExt", "Argmin"}
 
 
 def _to_meta(args):
@@ -189,16 +225,14 @@ _add("BiasAdd", "elementwise", meta.elementwise, "add", _bias_add)
 # ------------------------------------------------------------------------------ matmul / linear
 def _empty_contraction(shape_fn, *args):
     """MindSpore's CPU matmul kernels may return uninitialised memory (not zeros) when the
-    contraction dim is empty -- which an uneven shard can be. The product is then zeros."""
+    contraction dim is empty -- which an uneven shard can be. The product is then zeros. (It runs
+    inside ``_empty_safe``'s zero-gradient Function, which keeps the empty inputs in the autograd
+    graph; no ``a.sum() * 0`` link: the sum of an empty tensor is uninitialised too, and a NaN or
+    inf there would poison the product.)"""
     import mindspore as ms
     from mindspore import mint
     metas = [meta.MetaTensor(a.shape, a.dtype) if isinstance(a, ms.Tensor) else a for a in args]
-    out = mint.zeros(shape_fn(*metas).shape, dtype=args[0].dtype)
-    # keep the (empty) inputs in the autograd graph: every rank must run the backward collectives
-    # of the DTensors they came from, including the rank whose shard is empty
-    for a in args[:2]:
-        out = out + a.sum() * 0
-    return out
+    return mint.zeros(shape_fn(*metas).shape, dtype=args[0].dtype)
 
 
 def _matmul_runner(invoke, a, b, *rest, **kwargs):
