@@ -160,17 +160,10 @@ def _pointwise(func, args, kwargs):
 
 
 def _foreach(func, args, kwargs):
-    """_foreach_* ops: each list position is one elementwise op (optimizers use these)."""
-    lists = [a for a in args if isinstance(a, (list, tuple))]
-    n = len(lists[0])
-    results = []
-    inplace = _op_name(func).endswith("_")
-    for i in range(n):
-        item_args = [a[i] if isinstance(a, (list, tuple)) and len(a) == n else a for a in args]
-        item_func = _platform.foreach_to_single(func)
-        results.append(_pointwise(item_func, item_args, kwargs) if item_func is not None
-                       else _fallback(func, item_args, kwargs))
-    return None if inplace else results
+    """_foreach_* ops (optimizers, clip_grad_norm_): each list position is dispatched as its
+    single-tensor op (foreach.py)."""
+    from hyper_parallel.core.dtensor.foreach import run_foreach
+    return run_foreach(func, args, kwargs, dispatch_aten, _fallback)
 
 
 def _fallback(func, args, kwargs):

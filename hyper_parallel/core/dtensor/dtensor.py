@@ -35,6 +35,11 @@ class DTensor(_platform.DTensorBase):
         from hyper_parallel.core.dtensor.aten_dispatch import dispatch_aten
         return dispatch_aten(func, args, kwargs)
 
+    @classmethod
+    def _hp_fused(cls, func, args, kwargs):
+        from hyper_parallel.core.dtensor.foreach import run_fused
+        return run_fused(func, args, kwargs)
+
     # ------------------------------------------------------------------ construction
     @staticmethod
     def from_local(local_tensor, device_mesh, placements, *, run_check=False, shape=None, stride=None):

@@ -47,18 +47,98 @@ def aten_kind(func):
     return None
 
 
-def foreach_to_single(func):
-    """The single-tensor aten op that one position of a ``_foreach_*`` op performs, or None."""
+def foreach_to_single(func, args=None, kwargs=None):
+    """Without ``args``: the single-tensor aten op that one position of a ``_foreach_*`` op performs,
+    or None. With the foreach call's ``args`` / ``kwargs``: one ``(op, item_args, item_kwargs,
+    copy_into_self)`` per list position, or None when no single op fits. ``copy_into_self``: aten has
+    no in-place form of the op (``_foreach_maximum_``), so the caller copies the result into self.
+
+    The single op is chosen by the item's argument types, not by overload name: the foreach
+    overloads (Scalar / ScalarList / List / Tensor) do not line up with the single ops' names, and
+    a foreach scalar is positional where the single op's is keyword-only (``addcmul_``'s value)."""
     name = func.overloadpacket.__name__[len("_foreach_"):]
-    packet = getattr(aten, name, None)
-    if packet is None:
+    if args is None:
+        packet = getattr(aten, name, None)
+        return None if packet is None else next((getattr(packet, o) for o in packet.overloads()
+                                                 if "out" not in o), None)
+    kwargs = dict(kwargs or {})
+    items = _foreach_items(func, args)
+    if name == "norm":  # (self, ord=2, dtype=None) -> linalg_vector_norm(self, ord, *, dtype=)
+        dtype = kwargs.pop("dtype", None)
+        calls = [(aten.linalg_vector_norm.default, [a[0], a[1] if len(a) > 1 else 2],
+                  {} if (len(a) < 3 or a[2] is None) and dtype is None else {"dtype": dtype or a[2]}, False)
+                 for a in items]
+        return calls
+    copy_back = not hasattr(aten, name) and name.endswith("_")
+    packet = getattr(aten, name[:-1] if copy_back else name, None)
+    if packet is None or not items:
         return None
-    overload = func._overloadname
-    for candidate in (overload, overload.replace("List", "Tensor"), "Tensor", "Scalar", "default"):
-        op = getattr(packet, candidate, None)
-        if op is not None:
-            return op
+    for overload in packet.overloads():
+        op = getattr(packet, overload)
+        bound = _bind(op._schema, items[0], kwargs)
+        if bound is not None and "out" not in overload:
+            return [(op,) + _bind(op._schema, item, kwargs) + (copy_back,) for item in items]
     return None
+
+
+def _foreach_items(func, args):
+    """The per-position argument lists of a foreach call: list arguments (``Tensor[]``, ``Scalar[]``)
+    give their i-th entry, a ``Tensor scalars`` argument its i-th value, the rest pass whole."""
+    schema = func._schema.arguments
+    n = next(len(a) for a, s in zip(args, schema) if _is_list(s))
+    items = []
+    for i in range(n):
+        item = []
+        for value, arg in zip(args, schema):
+            if _is_list(arg):
+                value = value[i]
+            elif arg.name == "scalars" and isinstance(value, torch.Tensor):
+                value = value[i].item()
+            item.append(value)
+        items.append(item)
+    return items
+
+
+def _is_list(arg):
+    return arg.type.kind() == "ListType"
+
+
+def _fits(arg, value):
+    kind = arg.type.kind()
+    if kind == "OptionalType":
+        if value is None:
+            return True
+        kind = arg.type.getElementType().kind()
+    if kind == "TensorType":
+        return isinstance(value, torch.Tensor)
+    if kind == "NumberType":
+        return isinstance(value, (bool, int, float, complex))
+    return True
+
+
+def _bind(schema, values, kwargs):
+    """``values`` (positional, then spilling into keyword-only arguments in order) and ``kwargs``
+    bound to ``schema`` as (args, kwargs), or None if they do not fit its arguments or types."""
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    keyword = [a for a in schema.arguments if a.kwarg_only]
+    if len(values) > len(positional) + len(keyword):
+        return None
+    bound_kwargs = {}
+    for arg, value in zip(keyword, values[len(positional):]):
+        bound_kwargs[arg.name] = value
+    names = {a.name: a for a in schema.arguments}
+    for key, value in kwargs.items():
+        if key not in names:
+            return None
+        bound_kwargs[key] = value
+    pairs = list(zip(positional, values)) + [(names[k], v) for k, v in bound_kwargs.items()]
+    if not all(_fits(arg, value) for arg, value in pairs):
+        return None
+    given = {a.name for a, _ in pairs}
+    if any(not a.has_default_value() and a.name not in given and a.type.kind() != "OptionalType"
+           for a in schema.arguments):
+        return None
+    return list(values[:len(positional)]), bound_kwargs
 
 
 # Ops that write into arguments their schema does not mark as written (the running statistics).

@@ -6,6 +6,8 @@ with a sharding rule to core, which runs them on local shards under ordinary aut
 internals (gradient accumulation, ``ones_like`` for ``backward()``), optimizer updates and
 in-place methods.
 """
+import functools
+
 import torch
 
 from hyper_parallel.platform.torch.op_names import build_op_names
@@ -13,6 +15,7 @@ from hyper_parallel.platform.torch.op_names import build_op_names
 OP_NAMES = build_op_names()
 
 
+@functools.lru_cache(maxsize=4096)
 def _contiguous_strides(shape):
     strides, acc = [], 1
     for size in reversed(shape):
@@ -26,6 +29,16 @@ class TorchDTensorBase(torch.Tensor):
     ``_hp_aten``."""
 
     __slots__ = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # optimizers and clip_grad_norm_ take their foreach path only for listed types (PyTorch
+        # lists its own DTensor the same way); every position is then dispatched per shard
+        from torch.optim import optimizer
+        from torch.utils import _foreach_utils
+        for types in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
+            if cls not in types:
+                types.append(cls)
 
     @staticmethod
     def __new__(cls, local_tensor, global_shape, requires_grad=False):
@@ -43,7 +56,10 @@ class TorchDTensorBase(torch.Tensor):
         kwargs = kwargs or {}
         name = OP_NAMES.get(func)
         if name is not None:
-            result = cls._hp_function(name, func, args, kwargs)
+            # core reads DTensor attributes (dtype, requires_grad...) while it dispatches: with the
+            # subclass's torch function off, each read is a plain attribute read
+            with torch._C.DisableTorchFunctionSubclass():
+                result = cls._hp_function(name, func, args, kwargs)
             if result is not NotImplemented:
                 return result
         with torch._C.DisableTorchFunctionSubclass():
@@ -51,4 +67,6 @@ class TorchDTensorBase(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__.startswith("_fused_"):  # fused optimizer steps
+            return cls._hp_fused(func, args, kwargs or {})
         return cls._hp_aten(func, args, kwargs or {})

@@ -218,8 +218,8 @@ class TorchPlatform(Platform):
         return aten_kind(func)
 
     @staticmethod
-    def foreach_to_single(func):
-        return foreach_to_single(func)
+    def foreach_to_single(func, args=None, kwargs=None):
+        return foreach_to_single(func, args, kwargs)
 
     @staticmethod
     def written_arguments(func):
