@@ -246,10 +246,13 @@ class DeviceMesh:
 
     # ------------------------------------------------------------------ identity
     def to_hash(self):
-        return (self.mesh_shape, self._dim_names, self.rank_list)
+        key = self.__dict__.get("_identity")
+        if key is None:  # a mesh never changes: computed once (dispatch compares meshes per op)
+            key = self.__dict__["_identity"] = (self.mesh_shape, self._dim_names, self.rank_list)
+        return key
 
     def __eq__(self, other):
-        return isinstance(other, DeviceMesh) and self.to_hash() == other.to_hash()
+        return self is other or (isinstance(other, DeviceMesh) and self.to_hash() == other.to_hash())
 
     def __hash__(self):
         return hash(self.to_hash())

@@ -210,7 +210,7 @@ def _run_on_shards(call, strategy, leaves, structure, targets, out_placements, t
     for leaf, target in zip(leaves, targets):
         if isinstance(leaf, DTensor):
             ensure_leaf_grad_layout(leaf)
-            moved = leaf.redistribute(placements=target)
+            moved = leaf if target == leaf._spec.placements else leaf.redistribute(placements=target)
             chained = moved is not leaf or tracked or writeback.is_marked(leaf)
             if chained and call.name in VIEW_OPS and view_base is None:
                 view_base = leaf

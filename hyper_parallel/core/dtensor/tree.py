@@ -1,20 +1,41 @@
-"""Flatten nested args (tuples, lists, dicts) to leaves and back."""
+"""Flatten nested args (tuples, lists, dicts) to leaves and back. The structure is made of tuples,
+so it is hashable (the decision cache keys calls by it) whenever the dict keys are.
+
+Most op calls are ``(args, {})`` with no nesting: their structure is shared per arity, and both
+directions take a short path (dispatch flattens and rebuilds every call's arguments)."""
+_FLAT = {}
+
+
+def _flat_structure(n):
+    found = _FLAT.get(n)
+    if found is None:
+        found = _FLAT[n] = (tuple, ((tuple, (None,) * n), (dict, ())))
+    return found
 
 
 def tree_flatten(obj):
+    if (type(obj) is tuple and len(obj) == 2 and type(obj[0]) is tuple and obj[1] == {}
+            and not any(isinstance(a, (list, tuple, dict)) for a in obj[0])):
+        return list(obj[0]), _flat_structure(len(obj[0]))
+    if not isinstance(obj, (list, tuple, dict)):
+        return [obj], None
     leaves = []
 
     def walk(node):
         if isinstance(node, (list, tuple)):
-            return (type(node), [walk(x) for x in node])
+            return (type(node), tuple(walk(x) for x in node))
         if isinstance(node, dict):
-            return (dict, [(k, walk(v)) for k, v in node.items()])
+            return (dict, tuple((k, walk(v)) for k, v in node.items()))
         leaves.append(node)
         return None
     return leaves, walk(obj)
 
 
 def tree_unflatten(leaves, structure):
+    if structure is None:
+        return leaves[0]
+    if structure is _FLAT.get(len(leaves)):
+        return tuple(leaves), {}
     it = iter(leaves)
 
     def build(node):
