@@ -124,67 +124,85 @@ def _check_labels(target, num_classes, ignore_index):
 
 
 def _vocab_parallel_local(group, class_dim, start, size, num_classes, soft):
+    """The loss from this rank's vocab columns [start, start + size): one max all-reduce for the
+    shift, then one sum all-reduce of the per-token pieces (exp-sum, the label's logit, the
+    smoothing sums), from which every rank finishes the same loss."""
     platform = get_platform()
 
     def local(call, args, kwargs):
         v = _values(args, kwargs)
         x, target = v["input"], v["target"]
         eps = float(v["label_smoothing"] or 0.0)
-        reduction = v["reduction"]
-
-        # the shift: any per-token constant works (the loss does not depend on it); the global
-        # max keeps exp() in range. No gradient flows through it.
         if not soft:
             _check_labels(target, num_classes, v["ignore_index"])
-        if size > 0:
-            m_local = x.detach().amax(dim=class_dim, keepdim=True)
-        else:
-            m_local = x.detach().sum(dim=class_dim, keepdim=True) - float("inf")
-        m = platform.all_reduce(m_local.contiguous(), group, "max")
-        shifted = x - m
-
-        pieces = [shifted.exp().sum(dim=class_dim)]
-        if soft:
-            t = target
-            if eps > 0:
-                t = t * (1.0 - eps) + eps / num_classes
-            pieces += [t.sum(dim=class_dim), (t * shifted).sum(dim=class_dim)]
-        else:
-            in_range = (target >= start) & (target < start + size)
-            if size > 0:
-                idx = (target - start).masked_fill(~in_range, 0)
-                picked = shifted.gather(class_dim, idx.unsqueeze(class_dim)).squeeze(class_dim)
-                pieces.append(picked.masked_fill(~in_range, 0.0))
-            else:
-                pieces.append(shifted.sum(dim=class_dim) * 0.0)
-            if eps > 0:
-                pieces.append(shifted.sum(dim=class_dim))
+        shifted = x - _global_max(platform, x, group, class_dim, size)
+        pieces = _pieces(shifted, target, class_dim, start, size, num_classes, soft, eps)
         stacked = platform.cat([p.unsqueeze(-1) for p in pieces], dim=-1).contiguous()
         total = platform.differentiable_all_reduce(stacked, group, "sum", backward="identity")
-        lse = total[..., 0].log()
-
         if soft:
-            loss = lse * total[..., 1] - total[..., 2]
-            if reduction == "none":
-                return loss
-            if reduction == "sum":
-                return loss.sum()
-            return loss.sum() / loss.numel()
-
-        valid = target != v["ignore_index"]
-        nll = (lse - total[..., 1]).masked_fill(~valid, 0.0)
-        smooth = None
-        if eps > 0:
-            smooth = (num_classes * lse - total[..., 2]).masked_fill(~valid, 0.0)
-        if reduction == "none":
-            return nll if smooth is None else (1.0 - eps) * nll + (eps / num_classes) * smooth
-        nll, smooth = nll.sum(), (smooth.sum() if smooth is not None else None)
-        if reduction == "mean":
-            count = valid.sum().to(nll.dtype)
-            nll, smooth = nll / count, (smooth / count if smooth is not None else None)
-        return nll if smooth is None else (1.0 - eps) * nll + (eps / num_classes) * smooth
+            return _finish_soft(total, v["reduction"])
+        return _finish_labels(total, target, v["ignore_index"], v["reduction"], eps, num_classes)
 
     return local
+
+
+def _global_max(platform, x, group, class_dim, size):
+    """The per-token shift: any constant works (the loss does not depend on it); the global max
+    keeps exp() in range. No gradient flows through it."""
+    if size > 0:
+        m_local = x.detach().amax(dim=class_dim, keepdim=True)
+    else:
+        m_local = x.detach().sum(dim=class_dim, keepdim=True) - float("inf")
+    return platform.all_reduce(m_local.contiguous(), group, "max")
+
+
+def _pieces(shifted, target, class_dim, start, size, num_classes, soft, eps):
+    """This rank's share of each per-token sum the loss needs (summed over ranks afterwards)."""
+    pieces = [shifted.exp().sum(dim=class_dim)]
+    if soft:
+        t = target
+        if eps > 0:
+            t = t * (1.0 - eps) + eps / num_classes
+        return pieces + [t.sum(dim=class_dim), (t * shifted).sum(dim=class_dim)]
+    in_range = (target >= start) & (target < start + size)
+    if size > 0:
+        idx = (target - start).masked_fill(~in_range, 0)
+        picked = shifted.gather(class_dim, idx.unsqueeze(class_dim)).squeeze(class_dim)
+        pieces.append(picked.masked_fill(~in_range, 0.0))
+    else:
+        pieces.append(shifted.sum(dim=class_dim) * 0.0)
+    if eps > 0:
+        pieces.append(shifted.sum(dim=class_dim))
+    return pieces
+
+
+def _reduce(loss, reduction):
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / loss.numel()
+
+
+def _finish_soft(total, reduction):
+    lse = total[..., 0].log()
+    return _reduce(lse * total[..., 1] - total[..., 2], reduction)
+
+
+def _finish_labels(total, target, ignore_index, reduction, eps, num_classes):
+    lse = total[..., 0].log()
+    valid = target != ignore_index
+    nll = (lse - total[..., 1]).masked_fill(~valid, 0.0)
+    smooth = None
+    if eps > 0:
+        smooth = (num_classes * lse - total[..., 2]).masked_fill(~valid, 0.0)
+    if reduction == "none":
+        return nll if smooth is None else (1.0 - eps) * nll + (eps / num_classes) * smooth
+    nll, smooth = nll.sum(), (smooth.sum() if smooth is not None else None)
+    if reduction == "mean":
+        count = valid.sum().to(nll.dtype)
+        nll, smooth = nll / count, (smooth / count if smooth is not None else None)
+    return nll if smooth is None else (1.0 - eps) * nll + (eps / num_classes) * smooth
 
 
 __all__ = ["cross_entropy_rule", "loss_parallel_enabled", "enter_loss_parallel", "exit_loss_parallel"]
