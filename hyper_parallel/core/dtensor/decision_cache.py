@@ -16,7 +16,7 @@ STATS = {"rule_evaluations": 0, "hits": 0}
 
 def signature(name, func, mesh, leaves, structure, is_tensor, dtensor_type):
     """The call's signature (hashable)."""
-    key = [name, func, mesh, repr(structure)]
+    key = [name, func, mesh, structure]
     for leaf in leaves:
         if isinstance(leaf, dtensor_type):
             spec = leaf._spec
