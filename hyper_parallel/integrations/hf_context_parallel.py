@@ -50,7 +50,6 @@ class CPAttention:
         self.config = model.config
         self.mesh = cp_mesh
         self.ring = cp_kwargs.get("kv_exchange") == "ring"
-        self.ulysses = cp_kwargs.get("ulysses_degree") or cp_mesh.size()
         self.core = ContextParallel(seq_dim=2, head_dim=1, **cp_kwargs).apply(_CoreAttention(), cp_mesh)
         self.mask = None
         self.name = f"hyper_parallel_cp_{next(_names)}"
@@ -63,12 +62,6 @@ class CPAttention:
                              "instead")
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
-        if self.ulysses > 1 and key.shape[1] % self.ulysses:
-            # fewer local KV heads than the Ulysses degree: ContextParallel rejects them today (SPEC §6
-            # says it should replicate them), so give every query head its KV head; autograd sums the
-            # gradients of the copies back
-            repeat = query.shape[1] // key.shape[1]
-            key, value = (t.repeat_interleave(repeat, dim=1) for t in (key, value))
         gqa = query.shape[1] != key.shape[1]
         out = self.core(query, key, value, self.mask, scaling, dropout, causal, gqa)
         return out, None

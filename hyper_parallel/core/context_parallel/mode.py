@@ -1,6 +1,7 @@
 """One context-parallel attention call: check and distribute q, k, v for the mode, run the module,
 return the output in the caller's layout (read from the output, see output.py)."""
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from hyper_parallel.core.context_parallel.checks import (NAMES, check_across_ranks, check_layout,
                                                          first_call_of_signature,
@@ -12,7 +13,8 @@ from hyper_parallel.core.context_parallel.output import first_output, to_caller
 from hyper_parallel.core.context_parallel.ring_mode import run_ring
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.dtensor.placement_types import HeadTailShard, Replicate, Shard
+from hyper_parallel.core.dtensor.placement_types import HeadTailShard, Replicate
+from hyper_parallel.platform import get_platform
 
 
 @dataclass
@@ -27,6 +29,19 @@ class _Inputs:
     head: int
     own_mesh: object = None
     own_dims: tuple = ()    # working-mesh dims of the caller's own mesh ("foreign")
+
+
+def cp_dim_order(mesh):
+    """The CP mesh's dims, outer sequence split first: a 2-D mesh is matched by its names
+    ("co", "ds") in either order (rank (c, d) holds sequence block c·ds + d); a 1-D mesh is dim 0."""
+    if mesh.ndim == 2:
+        return [mesh.mesh_dim_names.index("co"), mesh.mesh_dim_names.index("ds")]
+    return list(range(mesh.ndim))
+
+
+def _seq_blocks(mesh, ndim, seq):
+    """Placements on the CP mesh ``mesh`` of a tensor whose rank (c, d) holds block c·ds + d."""
+    return input_placements(mesh, ndim, seq, cp_dim_order(mesh))
 
 
 def _on_cp_mesh(mesh, cp_mesh):
@@ -90,9 +105,9 @@ def _prepare(style, cp_mesh, qkv):
     check_whole_sequence(same, shapes, seq, cp_mesh.size())
     if policy == "foreign":
         return _foreign(cp_mesh, qkv, seq, head)
-    blocks = [t.redistribute(placements=[Shard(seq)] * t.device_mesh.ndim).to_local()
+    blocks = [t.redistribute(placements=_seq_blocks(t.device_mesh, t.ndim, seq)).to_local()
               if isinstance(t, DTensor) else t for t in qkv]
-    cp_dims = list(range(cp_mesh.ndim))
+    cp_dims = cp_dim_order(cp_mesh)
     placements, shapes = [], []
     for t in blocks:
         placements.append(input_placements(cp_mesh, t.ndim, seq, cp_dims))
@@ -128,7 +143,7 @@ def _foreign(cp_mesh, qkv, seq, head):
     own = q.device_mesh
     mesh = DeviceMesh.concatenate([cp_mesh, own])
     names = mesh.mesh_dim_names
-    cp_dims = [names.index(n) for n in cp_mesh.mesh_dim_names]
+    cp_dims = [names.index(cp_mesh.mesh_dim_names[m]) for m in cp_dim_order(cp_mesh)]
     own_dims = tuple(names.index(n) for n in own.mesh_dim_names)
     locals_, placements, shapes = [], [], []
     for name, t in zip(NAMES, qkv):
@@ -144,19 +159,57 @@ def _foreign(cp_mesh, qkv, seq, head):
     return _Inputs(mesh, cp_dims, locals_, placements, shapes, "foreign", seq, head, own, own_dims)
 
 
+def _degree(mesh, ulysses_dims):
+    return math.prod(mesh.size(m) for m in ulysses_dims)
+
+
+def kv_repeats(q_heads, kv_heads, ds):
+    """How many copies of each k/v head Ulysses of degree ``ds`` needs (1: none).
+
+    With Hkv % ds != 0 (GQA/MQA below the degree, e.g. 8 KV heads on ds=16), each KV head is
+    repeated r = ds / gcd(ds, Hkv) times in place (repeat_interleave), so Hkv·r = lcm(Hkv, ds)
+    heads split evenly over ds ranks. The grouping is unchanged: with g = Hq/Hkv, query head h used
+    KV head h // g, and with g' = Hq/(Hkv·r) it uses h // g', a copy of KV head h // g' // r = h // g.
+    The rank holding query heads [j·Hq/ds, (j+1)·Hq/ds) then holds exactly their KV copies
+    [j·Hkv·r/ds, (j+1)·Hkv·r/ds). r is minimal: any r' with ds | Hkv·r' is a multiple of r."""
+    if kv_heads == 0 or kv_heads % ds == 0:
+        return 1
+    return ds // math.gcd(ds, kv_heads)
+
+
+def _repeat_heads(t, r, head):
+    """Each head of ``t`` r times in place, differentiably (backward sums the copies' gradients)."""
+    if r == 1:
+        return t
+    shape = list(t.shape)
+    shape[head] *= r
+    copies = get_platform().cat([t.unsqueeze(head + 1)] * r, head + 1)
+    return copies.reshape(tuple(shape))
+
+
 def _validate(style, inputs, ulysses_dims):
+    """Raise on what no mode can run; return the inputs with k/v heads replicated where fewer
+    k/v heads than the Ulysses degree (or a count it does not divide) need it."""
     q_local, k_local = inputs.locals[0], inputs.locals[1]
-    ds = 1
-    for m in ulysses_dims:
-        ds *= inputs.mesh.size(m)
-    for name, t in (("q", q_local), ("k/v", k_local)):
-        if t.shape[inputs.head] % ds:
-            raise ValueError(f"ContextParallel: {name} has {t.shape[inputs.head]} heads here, not "
-                             f"divisible by ulysses_degree={ds}; choose a ulysses_degree that divides the "
-                             f"head count (ulysses_degree=1 is all-gather KV and has no head constraint)")
+    ds = _degree(inputs.mesh, ulysses_dims)
+    heads = q_local.shape[inputs.head]
+    if heads % ds:
+        raise ValueError(f"ContextParallel: q has {heads} heads here, not divisible by ulysses_degree={ds}; "
+                         f"choose a ulysses_degree that divides the head count (ulysses_degree=1 is "
+                         f"all-gather KV and has no head constraint)")
     if style.load_balance and q_local.shape[inputs.seq] % 2:
         raise ValueError(f"ContextParallel(load_balance=True): the local sequence length "
                          f"{q_local.shape[inputs.seq]} is odd; it must split into two equal halves")
+    r = kv_repeats(heads, k_local.shape[inputs.head], ds)
+    if r == 1:
+        return inputs
+    locals_ = list(inputs.locals[:1]) + [_repeat_heads(t, r, inputs.head) for t in inputs.locals[1:]]
+    shapes = list(inputs.shapes[:1])
+    for shape in inputs.shapes[1:]:
+        shape = list(shape)
+        shape[inputs.head] *= r
+        shapes.append(tuple(shape))
+    return replace(inputs, locals=locals_, shapes=shapes)
 
 
 def _mode_dims(style, cp_mesh, inputs):
@@ -170,7 +223,7 @@ def _mode_dims(style, cp_mesh, inputs):
 def run_attention(style, cp_mesh, qkv, call):
     inputs = _prepare(style, cp_mesh, qkv)
     ulysses_dims, gather_dims = _mode_dims(style, cp_mesh, inputs)
-    _validate(style, inputs, ulysses_dims)
+    inputs = _validate(style, inputs, ulysses_dims)
     if style.kv_exchange == "ring" and gather_dims:
         return _deliver(style, inputs, *run_ring(style, inputs, ulysses_dims, gather_dims[0], call))
     mesh, seq, head = inputs.mesh, inputs.seq, inputs.head
@@ -216,5 +269,6 @@ def _deliver(style, inputs, out_local, seq, placements):
     if style.use_local_output or inputs.policy == "local":
         return out_local
     if inputs.policy == "cp":
-        return DTensor.from_local(out_local, inputs.own_mesh, [Shard(seq)] * inputs.own_mesh.ndim)
+        own = inputs.own_mesh
+        return DTensor.from_local(out_local, own, _seq_blocks(own, out_local.ndim, seq))
     return DTensor.from_local(out_local, inputs.own_mesh, [placements[m] for m in inputs.own_dims])

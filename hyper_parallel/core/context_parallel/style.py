@@ -44,17 +44,19 @@ class ContextParallel(ParallelStyle):
         return module
 
     def _cp_mesh(self, mesh):
-        """The CP mesh: 1-D for pure Ulysses / all-gather, (co, ds) for the hybrid."""
+        """The CP mesh: 1-D for pure Ulysses / all-gather, a 2-D mesh named ("co", "ds") in either
+        order for the hybrid (used by name: rank (co=c, ds=d) holds sequence block c·ds + d)."""
         if mesh.ndim == 2:
-            if mesh.mesh_dim_names != ("co", "ds"):
-                raise ValueError(f"a 2-D context-parallel mesh must be named ('co', 'ds'), got "
-                                 f"{mesh.mesh_dim_names}; or pass a 1-D mesh and ulysses_degree")
-            if self.ulysses_degree not in (None, mesh.size(1)):
+            names = mesh.mesh_dim_names
+            if names is None or sorted(names) != ["co", "ds"]:
+                raise ValueError(f"a 2-D context-parallel mesh must be named ('co', 'ds') (either order), "
+                                 f"got {names}; or pass a 1-D mesh and ulysses_degree")
+            if self.ulysses_degree not in (None, mesh.size("ds")):
                 raise ValueError(f"ulysses_degree={self.ulysses_degree} does not match the mesh's ds size "
-                                 f"{mesh.size(1)}")
+                                 f"{mesh.size('ds')}")
             return mesh
         if mesh.ndim != 1:
-            raise ValueError(f"ContextParallel needs a 1-D CP mesh or a ('co', 'ds') mesh, got {mesh.ndim}-D "
+            raise ValueError(f"ContextParallel needs a 1-D CP mesh or a 2-D ('co', 'ds') mesh, got {mesh.ndim}-D "
                              f"{mesh.mesh_dim_names}; slice it, e.g. mesh['cp']")
         cp = mesh.size()
         ds = self.ulysses_degree or cp
