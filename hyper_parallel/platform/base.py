@@ -175,6 +175,21 @@ class Platform:
         """(dotted name, module) pairs, the module itself first as ""."""
         return module.named_modules()
 
+    @staticmethod
+    def named_buffers(module, recurse=False):
+        """(name, buffer) pairs of ``module`` (frameworks without buffers: none)."""
+        return []
+
+    @staticmethod
+    def set_buffer(module, name, value):
+        raise NotImplementedError
+
+    @staticmethod
+    def create_tensor(kind, shape, dtype=None, device=None, fill_value=None):
+        """The factory ``kind`` (zeros / ones / empty / full / rand / randn) on ``shape``."""
+        raise NotImplementedError(f"hyper_parallel's DTensor factories ({kind}) are not available on this "
+                                  f"platform yet")
+
     # ---------------------------------------------------------------- device, dtype, memory
     @property
     def device_type(self):

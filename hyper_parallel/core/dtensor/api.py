@@ -28,7 +28,7 @@ def _broadcast_from(tensor, mesh, src_index):
     return tensor
 
 
-def distribute_tensor(tensor, device_mesh, placements=None, *, src_data_rank=0):
+def distribute_tensor(tensor, device_mesh=None, placements=None, *, src_data_rank=0):
     """Shard or replicate a global ``tensor`` over ``device_mesh``.
 
     With ``src_data_rank`` (a rank within the mesh, i.e. a position in ``mesh.rank_list``, as in
@@ -36,8 +36,12 @@ def distribute_tensor(tensor, device_mesh, placements=None, *, src_data_rank=0):
     copy and no data is communicated. Either way one small metadata all-reduce first checks that
     every rank passes the same ndim, dtype and shape (a ValueError on every rank otherwise), so a
     mismatch never reaches the data collectives. A rank outside ``device_mesh`` gets an empty
-    local piece and communicates nothing, as in PyTorch.
+    local piece and communicates nothing, as in PyTorch. ``device_mesh`` defaults to the mesh of
+    the innermost ``with mesh:`` block.
     """
+    from hyper_parallel.core.dtensor.checkpoint import remember_mesh
+    from hyper_parallel.core.dtensor.factories import resolve_mesh
+    device_mesh = remember_mesh(resolve_mesh(device_mesh, "distribute_tensor"))
     placements = placements or [Replicate()] * device_mesh.ndim
     placements = normalize_placements(placements, tensor.ndim, device_mesh.ndim)
     if src_data_rank is not None:
@@ -59,22 +63,31 @@ def distribute_tensor(tensor, device_mesh, placements=None, *, src_data_rank=0):
     return out
 
 
-def _replicate_params(name, module, mesh):
+def _replicate_rest(module, mesh):
+    """``module``'s own parameters and buffers that are still plain tensors, as Replicate DTensors
+    (PyTorch's distribute_module does the same after ``partition_fn``)."""
     platform = get_platform()
     for pname, param in list(platform.named_parameters(module)):
         if param is not None and not isinstance(param, DTensor):
             platform.set_parameter(module, pname, distribute_tensor(param.data, mesh).requires_grad_(
                 param.requires_grad))
+    for bname, buf in list(platform.named_buffers(module)):
+        if buf is not None and not isinstance(buf, DTensor):
+            platform.set_buffer(module, bname, distribute_tensor(buf, mesh))
 
 
-def distribute_module(module, device_mesh, partition_fn=None, input_fn=None, output_fn=None):
-    """Apply ``partition_fn(name, submodule, mesh)`` to every submodule (default: replicate every
-    parameter) and install ``input_fn(module, inputs, mesh)`` / ``output_fn(module, outputs, mesh)``
-    as forward hooks."""
+def distribute_module(module, device_mesh=None, partition_fn=None, input_fn=None, output_fn=None):
+    """Apply ``partition_fn(name, submodule, mesh)`` to every submodule, then make every parameter
+    and buffer it left as a plain tensor a Replicate DTensor; install ``input_fn(module, inputs,
+    mesh)`` / ``output_fn(module, outputs, mesh)`` as forward hooks. ``device_mesh`` defaults to the
+    ``with mesh:`` mesh."""
+    from hyper_parallel.core.dtensor.factories import resolve_mesh
+    device_mesh = resolve_mesh(device_mesh, "distribute_module")
     platform = get_platform()
-    partition_fn = partition_fn or _replicate_params
-    for name, submodule in platform.named_modules(module):
-        partition_fn(name, submodule, device_mesh)
+    for name, submodule in list(platform.named_modules(module)):
+        if partition_fn is not None:
+            partition_fn(name, submodule, device_mesh)
+        _replicate_rest(submodule, device_mesh)
     if input_fn is not None:
         platform.register_forward_pre_hook(module, lambda mod, inputs: input_fn(mod, inputs, device_mesh))
     if output_fn is not None:

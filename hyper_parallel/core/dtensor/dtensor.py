@@ -42,12 +42,19 @@ class DTensor(_platform.DTensorBase):
 
     # ------------------------------------------------------------------ construction
     @staticmethod
-    def from_local(local_tensor, device_mesh, placements, *, run_check=False, shape=None, stride=None):
+    def from_local(local_tensor, device_mesh=None, placements=None, *, run_check=False, shape=None,
+                   stride=None, grad_placements=None):
         """The DTensor whose shard on this rank is ``local_tensor`` (differentiable).
 
         Without ``shape`` the shards are taken to be even; pass the global ``shape`` for uneven ones.
-        """
-        placements = normalize_placements(placements, local_tensor.ndim, device_mesh.ndim)
+        ``device_mesh`` defaults to the ``with mesh:`` mesh, ``placements`` to replicated.
+        ``grad_placements``: the layout in which ``local_tensor``'s gradient is taken from the
+        DTensor's gradient (default: this DTensor's placements, a Partial one replicated)."""
+        from hyper_parallel.core.dtensor.checkpoint import remember_mesh
+        from hyper_parallel.core.dtensor.factories import resolve_mesh
+        device_mesh = remember_mesh(resolve_mesh(device_mesh, "DTensor.from_local"))
+        placements = normalize_placements(placements or [Replicate()] * device_mesh.ndim, local_tensor.ndim,
+                                          device_mesh.ndim)
         if shape is None:
             shape = list(local_tensor.shape)
             for m, p in enumerate(placements):
@@ -60,7 +67,9 @@ class DTensor(_platform.DTensorBase):
                                  requires_grad=bool(getattr(local_tensor, "requires_grad", False)))
         if run_check:
             _check_local_shapes(local_tensor, spec)
-        return _from_local(local_tensor, spec)
+        grad_spec = None if grad_placements is None else spec.with_placements(
+            normalize_placements(grad_placements, len(spec.shape), device_mesh.ndim))
+        return _from_local(local_tensor, spec, grad_spec=grad_spec)
 
     def to_local(self, *, grad_placements=None):
         """This rank's shard (differentiable; its gradient has this DTensor's placements)."""
@@ -80,9 +89,12 @@ class DTensor(_platform.DTensorBase):
             return self
         return _redistribute(self, placements)
 
-    def full_tensor(self):
-        """The whole global tensor on every rank (differentiable)."""
-        return self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim).to_local()
+    def full_tensor(self, *, grad_placements=None):
+        """The whole global tensor on every rank (differentiable). ``grad_placements``: how the
+        gradient of the result is laid out (e.g. ``[Partial()]`` when each rank's gradient is a
+        share of the total), default replicated."""
+        full = self.redistribute(placements=[Replicate()] * self._spec.mesh.ndim)
+        return full.to_local(grad_placements=grad_placements)
 
     # ------------------------------------------------------------------ metadata
     @property
@@ -100,9 +112,6 @@ class DTensor(_platform.DTensorBase):
     def __repr__(self):
         return (f"DTensor(local_tensor={self._local_tensor!r}, device_mesh={self._spec.mesh!r}, "
                 f"placements={self._spec.placements}, shape={tuple(self._spec.shape)})")
-
-    def __reduce_ex__(self, protocol):
-        raise TypeError("a DTensor cannot be pickled; send dt.to_local() and its placements instead")
 
 
 # ---------------------------------------------------------------------- differentiable conversions
@@ -123,9 +132,10 @@ class GradPassThrough:
 _PARTIAL_SUM = Partial("sum")
 
 
-def _from_local_forward(ctx, local, spec, passthrough=None):
+def _from_local_forward(ctx, local, spec, passthrough=None, grad_spec=None):
     ctx.spec = spec
     ctx.passthrough = passthrough
+    ctx.grad_spec = grad_spec
     return DTensor._make(local.view_as(local), spec)
 
 
@@ -137,8 +147,10 @@ def _from_local_backward(ctx, grad):
                          and grad._spec.placements[m] == _PARTIAL_SUM)
         passthrough.partial = keep
         target = tuple(_PARTIAL_SUM if m in keep else p for m, p in enumerate(target))
+    if ctx.grad_spec is not None:  # from_local(grad_placements=)
+        target = ctx.grad_spec.placements
     grad = as_layout(grad, ctx.spec.with_placements(target))
-    return grad._local_tensor.contiguous(), None, None
+    return grad._local_tensor.contiguous(), None, None, None
 
 
 def _to_local_forward(ctx, dtensor, grad_spec, passthrough=None):
@@ -173,9 +185,9 @@ _redistribute_fn = _platform.make_autograd_function("Redistribute", _redistribut
                                                     _redistribute_backward)
 
 
-def _from_local(local, spec, passthrough=None):
+def _from_local(local, spec, passthrough=None, grad_spec=None):
     if _platform.is_grad_enabled() and getattr(local, "requires_grad", True):  # MindSpore tensors have no flag
-        return _from_local_fn(local, spec, passthrough)
+        return _from_local_fn(local, spec, passthrough, grad_spec)
     return DTensor._make(local, spec)
 
 

@@ -128,7 +128,11 @@ class ParallelStyle:
     src_data_rank = 0
 
     def apply(self, module, device_mesh):
-        raise NotImplementedError
+        # a subclass written for PyTorch overrides _apply (its contract); ours override apply
+        if type(self)._apply is not ParallelStyle._apply:
+            return self._apply(module, device_mesh)
+        raise NotImplementedError(f"{type(self).__name__} must override apply(module, device_mesh) (or "
+                                  f"PyTorch's _apply(module, device_mesh))")
 
     def _apply(self, module, device_mesh):  # PyTorch's spelling
         return self.apply(module, device_mesh)

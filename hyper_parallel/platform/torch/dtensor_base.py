@@ -16,6 +16,15 @@ OP_NAMES = build_op_names()
 
 
 @functools.lru_cache(maxsize=4096)
+def _rebuild_dtensor(local, mesh_desc, placements, shape, requires_grad):
+    """Unpickle a DTensor (its ``__reduce_ex__``): plain data only, hence on the safe list below."""
+    from hyper_parallel.core.dtensor.checkpoint import rebuild
+    return rebuild(local, mesh_desc, placements, shape, requires_grad)
+
+
+torch.serialization.add_safe_globals([_rebuild_dtensor])  # torch.load(weights_only=True) accepts DTensors
+
+
 def _contiguous_strides(shape):
     strides, acc = [], 1
     for size in reversed(shape):
@@ -50,6 +59,47 @@ class TorchDTensorBase(torch.Tensor):
         return torch.Tensor._make_wrapper_subclass(
             cls, shape, strides=_contiguous_strides(shape), dtype=local_tensor.dtype,
             device=local_tensor.device, layout=local_tensor.layout, requires_grad=requires_grad)
+
+    def __reduce_ex__(self, protocol):
+        """Pickled as (this rank's piece, mesh description, placements, global shape)."""
+        from hyper_parallel.core.dtensor.checkpoint import describe
+        return _rebuild_dtensor, describe(self)
+
+    # ------------------------------------------------ torch.distributed.checkpoint's protocol
+    # DCP asks a tensor subclass for the global block(s) its rank holds; from them it writes the
+    # pieces (replicated copies deduplicated) and, on load, reads whatever saved pieces overlap
+    # the target's block: any mesh / placements, or plain tensors in one process.
+    def _hp_box(self):
+        from hyper_parallel.core.dtensor.checkpoint import checkpoint_box
+        box = checkpoint_box(self)
+        return None if box is None or 0 in box[1] else box
+
+    def __create_write_items__(self, fqn, obj):
+        from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                           TensorProperties)
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+        box = self._hp_box()
+        if box is None:
+            return []
+        offsets, sizes = (torch.Size(b) for b in box)
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                              properties=TensorProperties.create_from_tensor(self._local_tensor),
+                              size=torch.Size(self.shape)))]
+
+    def __create_chunk_list__(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        box = self._hp_box()
+        if box is None:
+            return []
+        return [ChunkStorageMetadata(offsets=torch.Size(box[0]), sizes=torch.Size(box[1]))]
+
+    def __get_tensor_shard__(self, index):
+        box = self._hp_box()
+        if box is None or (index.offset is not None and tuple(index.offset) != box[0]):
+            raise ValueError(f"{index.fqn}: this rank holds no checkpoint piece at offset {index.offset}")
+        return self._local_tensor
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

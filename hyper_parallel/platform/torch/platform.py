@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 from hyper_parallel.platform.base import Platform
 from hyper_parallel.platform.torch import attention_kernels
 from hyper_parallel.platform.torch import autograd_collectives as ag
+from hyper_parallel.platform.torch import factories as tensor_factories
 from hyper_parallel.platform.torch.aten_kinds import aten_kind, foreach_to_single, written_arguments
 from hyper_parallel.platform.torch.collectives import Collectives
 from hyper_parallel.platform.torch.dtensor_base import TorchDTensorBase
@@ -364,6 +365,8 @@ class TorchPlatform(Platform):
     @staticmethod
     def set_parameter(module, name, value):
         module.register_parameter(name, torch.nn.Parameter(value, requires_grad=value.requires_grad))
+
+    named_buffers, set_buffer, create_tensor = tensor_factories.PLATFORM_METHODS  # DTensor factories
 
     # ---------------------------------------------------------------- attention kernels
     @staticmethod

@@ -1,0 +1,82 @@
+"""DTensor factories: ``zeros / ones / empty / full / rand / randn`` with a mesh and placements.
+
+Each rank allocates only its own piece, except the random ones: they draw the whole tensor from
+the framework's generator and keep this rank's piece, so the result equals the single-device
+draw under the same seed (as the random ops on DTensors do).
+"""
+from hyper_parallel.core.dtensor.device_mesh import current_mesh
+from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
+from hyper_parallel.core.dtensor.placement_types import Replicate, normalize_placements
+from hyper_parallel.core.dtensor.spec import DTensorSpec
+from hyper_parallel.platform import get_platform
+
+__all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "resolve_mesh"]
+
+
+def resolve_mesh(device_mesh, who):
+    """``device_mesh``, or the mesh of the innermost ``with mesh:`` block."""
+    if device_mesh is not None:
+        return device_mesh
+    mesh = current_mesh()
+    if mesh is None:
+        raise ValueError(f"{who} needs a device_mesh: pass device_mesh=..., or call it inside `with mesh:`")
+    return mesh
+
+
+def _size(size, who):
+    if len(size) == 1 and hasattr(size[0], "__len__"):  # zeros((2, 3)) as well as zeros(2, 3)
+        size = tuple(size[0])
+    if not all(isinstance(s, int) and s >= 0 for s in size):
+        raise ValueError(f"{who}: size must be non-negative ints, got {size!r}")
+    return tuple(int(s) for s in size)
+
+
+def _create(kind, size, device_mesh, placements, dtype, requires_grad, fill_value=None):
+    who = f"hyper_parallel.{kind}"
+    shape = _size(size, who)
+    mesh = resolve_mesh(device_mesh, who)
+    placements = normalize_placements(placements or [Replicate()] * mesh.ndim, len(shape), mesh.ndim)
+    spec = DTensorSpec(mesh, placements, shape)
+    platform = get_platform()
+    device = mesh.device_type
+    if mesh.get_coordinate() is None:  # a rank outside the mesh holds an empty piece
+        local = platform.create_tensor("empty", (0,), dtype, device)
+    elif kind in ("rand", "randn") or any(p.is_partial() for p in placements):
+        # the whole tensor, then this rank's piece: the single-device values (and, for Partial,
+        # the value on one rank with zeros elsewhere, which sums to it)
+        whole = platform.create_tensor(kind, shape, dtype, device, fill_value)
+        local = as_layout(DTensor._make(whole, spec.with_placements((Replicate(),) * mesh.ndim)), spec)._local_tensor
+    else:
+        local = platform.create_tensor(kind, spec.local_shape, dtype, device, fill_value)
+    out = DTensor._make(local, spec)
+    return out.requires_grad_(True) if requires_grad else out
+
+
+def zeros(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
+    """A DTensor of zeros of global ``size`` laid out as ``placements`` (default: replicated)."""
+    return _create("zeros", size, device_mesh, placements, dtype, requires_grad)
+
+
+def ones(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
+    """A DTensor of ones of global ``size``."""
+    return _create("ones", size, device_mesh, placements, dtype, requires_grad)
+
+
+def empty(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
+    """An uninitialised DTensor of global ``size``."""
+    return _create("empty", size, device_mesh, placements, dtype, requires_grad)
+
+
+def full(size, fill_value, *, device_mesh=None, placements=None, dtype=None, requires_grad=False):
+    """A DTensor of global ``size`` filled with ``fill_value``."""
+    return _create("full", (size,), device_mesh, placements, dtype, requires_grad, fill_value)
+
+
+def rand(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
+    """Uniform [0, 1) values, equal to the single-device ``rand(size)`` under the same seed."""
+    return _create("rand", size, device_mesh, placements, dtype, requires_grad)
+
+
+def randn(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
+    """Standard normal values, equal to the single-device ``randn(size)`` under the same seed."""
+    return _create("randn", size, device_mesh, placements, dtype, requires_grad)
