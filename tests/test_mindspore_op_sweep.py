@@ -25,12 +25,10 @@ def test_mindspore_op_sweep(world_size, mesh_shape, uneven):
     assert all(r == results[0] for r in results), "ranks disagree"
 
 
-@pytest.mark.xfail(strict=True, reason="core computes these local pieces with a raw .sum(), which MindSpore "
-                   "leaves uninitialised on an empty piece (reductions._mean_local, "
-                   "embedding._vocab_parallel_local); see docs/mindspore.md, Limitations")
 def test_mindspore_core_empty_piece_reductions():
-    """Silent wrong results that the MindSpore platform cannot fix (core's rules call .sum() on the
-    local piece directly). Strict: when core is fixed this XPASSes and fails -- drop the mark."""
+    """Core's rules that reduce a raw local piece themselves (``reductions._mean_local``,
+    ``embedding._vocab_parallel_local``) go through ``platform.local_sum``: MindSpore's own sum
+    leaves an empty (uneven) piece's output uninitialised, a silent wrong result."""
     results = run_on("mindspore", 4, ms_op_sweep.core_empty_piece_cases, timeout=300)
     assert all(r == results[0] for r in results), "ranks disagree"
     bad = {k: v for k, v in results[0].items() if not (isinstance(v, float) and v < 1e-5)}

@@ -198,3 +198,9 @@ class Platform:
     @property
     def default_backend(self):
         raise NotImplementedError
+
+    # ---------------------------------------------------------------- tensor helpers for core
+    @staticmethod
+    def local_sum(tensor, dim=None, keepdim=False):
+        """``tensor.sum(dim=dim, keepdim=keepdim)`` of a local piece; an empty piece gives zeros (zero gradient)."""
+        raise NotImplementedError

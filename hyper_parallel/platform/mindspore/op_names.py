@@ -175,6 +175,24 @@ _ZeroGrad = _LazyZeroGrad()
 _MATMULS = {"MatMulExt", "BatchMatMulExt", "Mm", "Bmm", "MatMul", "BatchMatMul", "Dense"}
 
 
+class _TensorSum:
+    """``Tensor.sum`` as an op for :class:`_Filled` (core reduces raw local pieces with it)."""
+
+    @staticmethod
+    def run(tensor, dim=None, keepdim=False):
+        return tensor.sum(dim=dim, keepdim=keepdim)
+
+
+def local_sum(tensor, dim=None, keepdim=False):
+    """``tensor.sum(dim=dim, keepdim=keepdim)``, safe on an empty tensor: the kernel's output
+    (right shape and dtype, uninitialised values) is filled with 0 inside the zero-gradient
+    Function, as ``_empty_safe`` does for the SumExt / ReduceSum of the op table. Core's rules
+    call it (``platform.local_sum``) where they reduce a raw local piece themselves."""
+    if 0 not in tuple(tensor.shape):
+        return tensor.sum(dim=dim, keepdim=keepdim)
+    return _ZeroGrad.apply(_Filled(_TensorSum, 0), (tensor,), {"dim": dim, "keepdim": keepdim}, tensor)
+
+
 class _Entry:
     """``normalize(args, kwargs)`` -> None (no rule: fallback) or (args, kwargs, neutral name or
     None, runner or None, key[, shape function]): torch-style arguments, and how to call the

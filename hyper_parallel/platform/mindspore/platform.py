@@ -255,6 +255,13 @@ class MindSporePlatform(Platform):
         return isinstance(obj, (ms.Tensor, meta.MetaTensor))
 
     @staticmethod
+    def local_sum(tensor, dim=None, keepdim=False):
+        """The sum of a local piece; MindSpore's CPU sum leaves an empty input's output
+        uninitialised, so an empty piece gives zeros with a zero gradient (``op_names.local_sum``)."""
+        from hyper_parallel.platform.mindspore.op_names import local_sum
+        return local_sum(tensor, dim, keepdim)
+
+    @staticmethod
     def tensor(data, dtype=None, device=None):
         array = np.asarray(data)
         if dtype is None and array.dtype == np.float64:

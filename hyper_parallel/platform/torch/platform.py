@@ -273,6 +273,10 @@ class TorchPlatform(Platform):
         return isinstance(obj, torch.Tensor)
 
     @staticmethod
+    def local_sum(tensor, dim=None, keepdim=False):
+        return tensor.sum(dim=dim, keepdim=keepdim)
+
+    @staticmethod
     def tensor(data, dtype=None, device=None):
         return torch.tensor(data, dtype=dtype, device=device)
 

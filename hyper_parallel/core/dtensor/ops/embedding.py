@@ -75,9 +75,12 @@ def _vocab_parallel_local(row_start, rows, vocab):
             padding_idx = padding_idx - row_start if row_start <= padding_idx < row_start + rows else None
         outside = (ids < row_start) | (ids >= row_start + rows)
         if rows == 0:
-            # no rows here: zeros, still connected to the (empty) weight for autograd
+            # no rows here: zeros, still connected to the (empty) weight for autograd with a zero
+            # gradient; the platform's sum over the vocab dim is zeros of shape (dim,) on an empty
+            # table (MindSpore's own kernel would leave it uninitialised)
+            from hyper_parallel.platform import get_platform
             zeros = weight.new_zeros(tuple(ids.shape) + (weight.shape[1],))
-            return zeros + weight.sum()
+            return zeros + get_platform().local_sum(weight, dim=0)
         local_ids = (ids - row_start).masked_fill(outside, 0)
         out = call.func(local_ids, weight, padding_idx, None, v["norm_type"], False, False)
         return out.masked_fill(outside.unsqueeze(-1), 0)

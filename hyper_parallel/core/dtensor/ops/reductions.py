@@ -165,7 +165,8 @@ def _mean_local(reduced, keepdim, count):
         dtype = kwargs.get("dtype")
         if dtype is not None:
             x = x.to(dtype)
-        return x.sum(dim=reduced, keepdim=keepdim) / count
+        # the platform's sum: MindSpore's kernel leaves the sum of an empty (uneven) piece unset
+        return get_platform().local_sum(x, dim=reduced, keepdim=keepdim) / count
     return local
 
 
