@@ -23,6 +23,7 @@ import traceback
 import zlib
 
 ATOL, RTOL = 1e-5, 1e-4
+LOW_PRECISION_TOL = (1e-2, 1e-2)
 # Gradients at NaN/inf inputs are compared too, except where torch itself computes them differently
 # for a tensor subclass (any subclass, PyTorch's DTensor included) than for a plain tensor.
 NAN_GRAD_EXEMPT = {
@@ -175,7 +176,11 @@ def _same(name, got, want, values=True):
     assert tuple(got.shape) == tuple(want.shape), f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
     if values:
-        torch.testing.assert_close(got.detach(), want.detach(), atol=ATOL, rtol=RTOL, equal_nan=True,
+        # half precision: a Partial value's pieces are each rounded to the narrow type before they
+        # sum, so they agree with one device to that type's precision, not fp32's
+        narrow = got.dtype in (torch.float16, torch.bfloat16, torch.complex32)
+        tol = LOW_PRECISION_TOL if narrow else (ATOL, RTOL)
+        torch.testing.assert_close(got.detach(), want.detach(), atol=tol[0], rtol=tol[1], equal_nan=True,
                                    msg=lambda m: f"{name}: {m}")
 
 
