@@ -24,6 +24,9 @@ import zlib
 
 ATOL, RTOL = 1e-5, 1e-4
 LOW_PRECISION_TOL = (1e-2, 1e-2)
+# Gradients pass through more arithmetic, some of it reordered by the split (attention blocks merged
+# by log-sum-exp, sums of partial products): a little more absolute room, still fp32-level.
+GRAD_ATOL = 5e-5
 # Gradients at NaN/inf inputs are compared too, except where torch itself computes them differently
 # for a tensor subclass (any subclass, PyTorch's DTensor included) than for a plain tensor.
 NAN_GRAD_EXEMPT = {
@@ -149,7 +152,7 @@ def _plant(leaves, value):
 
 
 # ================================================================================ comparison
-def _same(name, got, want, values=True):
+def _same(name, got, want, values=True, atol=ATOL):
     """Raise AssertionError if ``got`` (DTensor / tensor / value) differs from ``want``."""
     import torch
     from hyper_parallel import DTensor
@@ -157,7 +160,7 @@ def _same(name, got, want, values=True):
         assert isinstance(got, (list, tuple)) and len(got) == len(want), \
             f"{name}: got {type(got).__name__}, expected a sequence of {len(want)}"
         for i, (a, b) in enumerate(zip(got, want)):
-            _same(f"{name}[{i}]", a, b, values)
+            _same(f"{name}[{i}]", a, b, values, atol)
         return
     if not torch.is_tensor(want):
         if isinstance(got, DTensor):
@@ -179,7 +182,7 @@ def _same(name, got, want, values=True):
         # half precision: a Partial value's pieces are each rounded to the narrow type before they
         # sum, so they agree with one device to that type's precision, not fp32's
         narrow = got.dtype in (torch.float16, torch.bfloat16, torch.complex32)
-        tol = LOW_PRECISION_TOL if narrow else (ATOL, RTOL)
+        tol = LOW_PRECISION_TOL if narrow else (atol, RTOL)
         torch.testing.assert_close(got.detach(), want.detach(), atol=tol[0], rtol=tol[1], equal_nan=True,
                                    msg=lambda m: f"{name}: {m}")
 
@@ -260,7 +263,7 @@ def check_layout(op, op_fn, structure, leaves, layout, mesh, tag, grads=True):
             assert d.grad is None or not d.grad.full_tensor().any(), f"input {i}: unexpected gradient"
             continue
         assert d.grad is not None, f"input {i}: no gradient"
-        _same(f"gradient of input {i}", d.grad, r.grad)
+        _same(f"gradient of input {i}", d.grad, r.grad, atol=GRAD_ATOL)
 
 
 def check_inplace(op, structure, leaves, layout, mesh, tag):

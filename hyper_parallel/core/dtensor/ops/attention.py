@@ -85,6 +85,18 @@ def _whole(call):
     return OpStrategy(inputs=[replicated] * len(call.specs), outputs=replicated)
 
 
+def _as_4d(attend, q, k, v):
+    """Run ``attend`` on (batch, heads, seq, dim) views: the block kernels take exactly 4 dims, sdpa
+    takes (seq, dim) with any leading dims (none, one, several)."""
+    if q.ndim == 4:
+        return attend(q, k, v)
+
+    def four(t):
+        return t.reshape((-1, t.shape[-3] if t.ndim > 2 else 1) + tuple(t.shape[-2:]))
+    out = attend(four(q), four(k), four(v))
+    return out.reshape(tuple(q.shape[:-1]) + (out.shape[-1],))
+
+
 def _offset_causal(row_start):
     """Local attention of query rows [row_start, row_start + L) under the global causal mask."""
     def local(call, args, kwargs):
@@ -100,8 +112,9 @@ def _offset_causal(row_start):
         dropout = values["dropout_p"] or 0.0
         if row_start == 0 and visible == rows:
             return platform.sdpa(q, k, v, dropout_p=dropout, is_causal=True, scale=values["scale"], **extra)
-        if dropout == 0 and rows and visible and (gqa or q.shape[-3] == k.shape[-3]):
-            return _offset_attention(q, k, v, min(row_start, visible), values["scale"])
+        if dropout == 0 and rows and visible and (gqa or q.ndim < 3 or q.shape[-3] == k.shape[-3]):
+            return _as_4d(lambda q4, k4, v4: _offset_attention(q4, k4, v4, min(row_start, visible),
+                                                               values["scale"]), q, k, v)
         # dropout has no log-sum-exp kernel: a boolean mask (NaN isolation not guaranteed here)
         cols = platform.arange(visible, device=q.device)
         row_ids = platform.arange(rows, device=q.device) + row_start
