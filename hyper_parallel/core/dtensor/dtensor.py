@@ -35,6 +35,20 @@ class DTensor(_platform.DTensorBase):
         from hyper_parallel.core.dtensor.aten_dispatch import dispatch_aten
         return dispatch_aten(func, args, kwargs)
 
+    # checkpoint hooks (pickling, torch.distributed.checkpoint), called by the platform's base class
+    def _hp_describe(self):
+        from hyper_parallel.core.dtensor.checkpoint import describe
+        return describe(self)
+
+    def _hp_checkpoint_box(self):
+        from hyper_parallel.core.dtensor.checkpoint import checkpoint_box
+        return checkpoint_box(self)
+
+    @staticmethod
+    def _hp_rebuild(local, mesh_desc, placements, shape, requires_grad):
+        from hyper_parallel.core.dtensor.checkpoint import rebuild
+        return rebuild(local, mesh_desc, placements, shape, requires_grad)
+
     @classmethod
     def _hp_fused(cls, func, args, kwargs):
         from hyper_parallel.core.dtensor.foreach import run_fused

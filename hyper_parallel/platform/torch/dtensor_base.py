@@ -15,16 +15,15 @@ from hyper_parallel.platform.torch.op_names import build_op_names
 OP_NAMES = build_op_names()
 
 
-@functools.lru_cache(maxsize=4096)
 def _rebuild_dtensor(local, mesh_desc, placements, shape, requires_grad):
     """Unpickle a DTensor (its ``__reduce_ex__``): plain data only, hence on the safe list below."""
-    from hyper_parallel.core.dtensor.checkpoint import rebuild
-    return rebuild(local, mesh_desc, placements, shape, requires_grad)
+    return TorchDTensorBase._hp_concrete._hp_rebuild(local, mesh_desc, placements, shape, requires_grad)
 
 
 torch.serialization.add_safe_globals([_rebuild_dtensor])  # torch.load(weights_only=True) accepts DTensors
 
 
+@functools.lru_cache(maxsize=4096)
 def _contiguous_strides(shape):
     strides, acc = [], 1
     for size in reversed(shape):
@@ -34,13 +33,16 @@ def _contiguous_strides(shape):
 
 
 class TorchDTensorBase(torch.Tensor):
-    """Subclassed by ``hyper_parallel.core.dtensor.DTensor``, which provides ``_hp_function`` and
-    ``_hp_aten``."""
+    """Subclassed by ``hyper_parallel.core.dtensor.DTensor``, which provides the hooks this class
+    calls (``_hp_function``, ``_hp_aten``, ``_hp_fused``, ``_hp_describe``, ``_hp_checkpoint_box``,
+    ``_hp_rebuild``): the platform never imports core."""
 
     __slots__ = ()
+    _hp_concrete = None  # core's DTensor, which registers itself by subclassing
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        TorchDTensorBase._hp_concrete = cls
         # optimizers and clip_grad_norm_ take their foreach path only for listed types (PyTorch
         # lists its own DTensor the same way); every position is then dispatched per shard
         from torch.optim import optimizer
@@ -62,16 +64,14 @@ class TorchDTensorBase(torch.Tensor):
 
     def __reduce_ex__(self, protocol):
         """Pickled as (this rank's piece, mesh description, placements, global shape)."""
-        from hyper_parallel.core.dtensor.checkpoint import describe
-        return _rebuild_dtensor, describe(self)
+        return _rebuild_dtensor, self._hp_describe()
 
     # ------------------------------------------------ torch.distributed.checkpoint's protocol
     # DCP asks a tensor subclass for the global block(s) its rank holds; from them it writes the
     # pieces (replicated copies deduplicated) and, on load, reads whatever saved pieces overlap
     # the target's block: any mesh / placements, or plain tensors in one process.
     def _hp_box(self):
-        from hyper_parallel.core.dtensor.checkpoint import checkpoint_box
-        box = checkpoint_box(self)
+        box = self._hp_checkpoint_box()
         return None if box is None or 0 in box[1] else box
 
     def __create_write_items__(self, fqn, obj):
