@@ -25,9 +25,7 @@ def _op_name(func):
 
 
 def _is_inplace(func):
-    schema = getattr(func, "_schema", None)
-    return bool(schema and schema.arguments and schema.arguments[0].alias_info
-                and schema.arguments[0].alias_info.is_write)
+    return any(position == 0 for position, _ in _platform.written_arguments(func))
 
 
 def _written(func, args, kwargs):
