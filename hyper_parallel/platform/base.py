@@ -199,8 +199,27 @@ class Platform:
     def default_backend(self):
         raise NotImplementedError
 
+    # ---------------------------------------------------------------- the level below autograd
+    # Core's aten-level dispatch (writes through views, in-place ops) asks these; a framework
+    # without such a level (MindSpore: PyNative ops return new tensors, never views) keeps them.
+    @staticmethod
+    def written_arguments(func):
+        """(position, name) of every argument an op below autograd writes into."""
+        return ()
+
+    @staticmethod
+    def alias_view_wrappers(func, args, kwargs, out):
+        """Make a view op's output wrapper(s) alias the input's, for autograd's view tracking."""
+        return out
+
+    @staticmethod
+    def shares_memory(a, b):
+        """Whether two tensors are views of one storage."""
+        return False
+
     # ---------------------------------------------------------------- tensor helpers for core
     @staticmethod
     def local_sum(tensor, dim=None, keepdim=False):
-        """``tensor.sum(dim=dim, keepdim=keepdim)`` of a local piece; an empty piece gives zeros (zero gradient)."""
+        """``tensor.sum(dim=dim, keepdim=keepdim)`` of a local piece; an empty piece gives zeros
+        (zero gradient)."""
         raise NotImplementedError

@@ -222,24 +222,12 @@ class MindSporePlatform(Platform):
         return None
 
     @staticmethod
-    def written_arguments(func):
-        return []
-
-    @staticmethod
     def op_display_name(func):
         return getattr(func, "__name__", None) or str(func)
 
     @staticmethod
-    def alias_view_wrappers(func, args, kwargs, out):
-        return out
-
-    @staticmethod
     def is_floating_dtype(dtype):
         return dtype in (ms.float16, ms.float32, ms.float64, ms.bfloat16, ms.complex64, ms.complex128)
-
-    @staticmethod
-    def shares_memory(a, b):
-        return False  # MindSpore's PyNative ops return new tensors, never views
 
     @staticmethod
     def meta_tensor(shape, dtype):
