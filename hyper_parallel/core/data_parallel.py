@@ -167,9 +167,15 @@ class GradientReducer:
 def data_parallel(module, device_mesh, *, average=True, bucket_mb=DEFAULT_BUCKET_MB):
     """All-reduce every parameter gradient of ``module`` over the 1-D ``device_mesh`` after each
     backward; ``average=False`` sums (for losses already normalised by the global token count).
-    Adds ``module.no_sync()``. Returns the module."""
+    Adds ``module.no_sync()``. Returns the module.
+
+    MindSpore (gradients as one tuple): pass the ``nn.TrainOneStepCell``; its ``grad_reducer``
+    becomes the all-reduce (``core/data_parallel_tuple.py``, docs/training.md)."""
     if getattr(module, "_hp_grad_reducer", None) is not None:
         raise ValueError("data_parallel was already applied to this module")
+    if getattr(get_platform(), "gradients_as_tuple", False):
+        from hyper_parallel.core.data_parallel_tuple import tuple_data_parallel
+        return tuple_data_parallel(module, device_mesh, average, bucket_mb)
     reducer = GradientReducer(module, device_mesh, average, bucket_mb)
     module._hp_grad_reducer = reducer
     module.no_sync = reducer.no_sync

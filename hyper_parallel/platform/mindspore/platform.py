@@ -1,13 +1,13 @@
 """MindSpore platform (PyNative mode): CPU (``mccl``), Ascend (``hccl``), GPU (``nccl``).
 
-Process groups and raw collectives are in ``collectives.py`` (on CPU the missing ones are emulated
-with all-gather / all-reduce; ``capabilities()`` lists which), autograd-aware collectives and
-``make_autograd_function`` in ``autograd.py`` (MindSpore's custom-backward ``Function``), the
+Process groups are in ``groups.py``, raw collectives in ``collectives.py`` (on CPU the missing ones
+are emulated with all-gather / all-reduce in ``emulations.py``, whose registry ``capabilities()``
+reads), ``make_autograd_function`` in ``autograd.py`` (MindSpore's custom-backward ``Function``; the
+differentiable collectives are the shared ones of ``platform/differentiable_collectives.py``), the
 DTensor base class (a ``Tensor`` subclass whose ``__fallback__`` hands every MindSpore op on a
 DTensor to core's sharding rules) in ``dtensor_base.py``, the op-name table in ``op_names.py``,
 shape inference for that table in ``meta.py`` and the attention kernels in ``attention.py``.
 """
-import contextlib
 import os
 import resource
 
@@ -22,13 +22,15 @@ from hyper_parallel.platform.base import Platform
 from hyper_parallel.platform.mindspore import attention as attention_kernels
 from hyper_parallel.platform.mindspore import autograd as ag
 from hyper_parallel.platform.mindspore import meta
-from hyper_parallel.platform.mindspore.collectives import Collectives, MsGroup
+from hyper_parallel.platform.mindspore.collectives import Collectives
+from hyper_parallel.platform.mindspore.groups import MsGroup
+from hyper_parallel.platform.mindspore.training import MindSporeTrainingSupport
 from hyper_parallel.platform.mindspore.dtensor_base import MindSporeDTensorBase
 
 _LAUNCHER_ENV = ("MS_ROLE", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT")
 
 
-class MindSporePlatform(Platform):
+class MindSporePlatform(MindSporeTrainingSupport, Platform):  # training.py: factories, DP, checkpoints
     name = "mindspore"
     Tensor = ms.Tensor
     Module = ms.nn.Cell
@@ -64,14 +66,6 @@ class MindSporePlatform(Platform):
         if self.device_type != "cpu":
             ms.runtime.synchronize()
 
-    @contextlib.contextmanager
-    def default_device(self):
-        yield self.device()
-
-    def reset_peak_memory(self):
-        if self.device_type != "cpu":
-            ms.runtime.reset_peak_memory_stats()
-
     def track_peak_memory(self):
         """``with platform.track_peak_memory() as m: ...`` then ``m.peak_bytes``."""
         return _PeakMemory(self)
@@ -84,26 +78,9 @@ class MindSporePlatform(Platform):
 
     # ---------------------------------------------------------------- capabilities
     def capabilities(self):
-        if self._comm.native_all:
-            return {"backend": self.default_backend, "all_gather": "native", "all_reduce": "native",
-                    "broadcast": "native", "all_to_all_single": "native", "reduce_scatter": "native",
-                    "p2p (batch_isend_irecv)": "native (not run in CI)",
-                    "all_to_all (list)": "emulated: size-table all_gather + one padded all_gather",
-                    "all_reduce avg/max/min": "native"}
-        return {
-            "backend": self.default_backend,
-            "all_gather": "native (mint.distributed; bool/bfloat16 cast, 0-dim reshaped)",
-            "all_reduce": "native for sum/avg/max/min on f16/f32/int8/int32/int64; other dtypes "
-                          "emulated: all_gather + local reduction in rank order",
-            "broadcast": "native",
-            "all_to_all_single": "emulated: all_gather of the whole tensor, keep own block "
-                                 "((n-1)*N bytes, n x a native all-to-all)",
-            "all_to_all (list)": "emulated: size-table all_gather + one padded all_gather",
-            "reduce_scatter": "emulated: all_reduce, keep own block (2x a ring reduce-scatter)",
-            "p2p (batch_isend_irecv)": "emulated: size-table all_gather + one padded all_gather "
-                                       "over the group (every group rank must call it)",
-            "all_reduce avg/max/min": "native",
-        }
+        """Native collectives and, where a kernel is missing, the registered emulations
+        (emulations.py holds their descriptions)."""
+        return {"backend": self.default_backend, **self._comm.capabilities()}
 
     # ---------------------------------------------------------------- process groups
     def init_process_group(self, backend=None, timeout_s=None, **kwargs):
@@ -137,10 +114,6 @@ class MindSporePlatform(Platform):
         have no per-group timeout (on CPU they give up after their own fixed ~30 s)."""
         return self._comm.new_group(ranks)
 
-    @staticmethod
-    def group_timeout(group):
-        return None
-
     def group_ranks(self, group):
         return self._comm.resolve(group).ranks
 
@@ -153,44 +126,6 @@ class MindSporePlatform(Platform):
         if self.is_initialized():
             self.barrier()
         self._comm.clear()
-
-    # ---------------------------------------------------------------- raw collectives
-    def all_gather(self, tensor, group, dim=0, async_op=False):
-        return self._comm.all_gather(tensor, group, dim, async_op)
-
-    def all_to_all_single(self, tensor, group, split_dim=0, concat_dim=0, async_op=False):
-        return self._comm.all_to_all_single(tensor, group, split_dim, concat_dim, async_op)
-
-    def all_to_all(self, tensors, group, out_shapes=None, async_op=False):
-        return self._comm.all_to_all(tensors, group, out_shapes, async_op)
-
-    def reduce_scatter(self, tensor, group, dim=0, op="sum", async_op=False):
-        return self._comm.reduce_scatter(tensor, group, dim, op, async_op)
-
-    def all_reduce(self, tensor, group, op="sum", async_op=False, tag=None):
-        return self._comm.all_reduce(tensor, group, op, async_op, tag)
-
-    def broadcast(self, tensor, src, group, async_op=False):
-        return self._comm.broadcast(tensor, src, group, async_op)
-
-    def p2p_exchange(self, sends, recvs, group=None, async_op=False):
-        return self._comm.p2p_exchange(sends, recvs, group, async_op)
-
-    # ---------------------------------------------------------------- autograd-aware collectives
-    def differentiable_all_gather(self, tensor, group, dim=0):
-        return ag.all_gather(self._comm, tensor, group, dim)
-
-    def differentiable_reduce_scatter(self, tensor, group, dim=0):
-        return ag.reduce_scatter(self._comm, tensor, group, dim)
-
-    def differentiable_all_to_all(self, tensor, group, split_dim, concat_dim):
-        return ag.all_to_all(self._comm, tensor, group, split_dim, concat_dim)
-
-    def differentiable_all_reduce(self, tensor, group, op="sum", backward="sum"):
-        return ag.all_reduce(self._comm, tensor, group, op, backward)
-
-    def differentiable_p2p_exchange(self, tensor, send_to, recv_from, group=None):
-        return ag.p2p_exchange(self._comm, tensor, send_to, recv_from, group)
 
     # ---------------------------------------------------------------- autograd plumbing for core
     @staticmethod
@@ -210,20 +145,9 @@ class MindSporePlatform(Platform):
         return bool(_pynative_executor.requires_grad())
 
     @staticmethod
-    def call_plain(func, args, kwargs):
-        return func(*args, **kwargs)
-
-    @staticmethod
-    def aten_kind(func):
-        return None  # MindSpore has no level below autograd that reaches a DTensor
-
-    @staticmethod
-    def foreach_to_single(func):
-        return None
-
-    @staticmethod
-    def op_display_name(func):
-        return getattr(func, "__name__", None) or str(func)
+    def requires_grad(tensor):
+        # a MindSpore Tensor has no flag (ms.grad decides what is differentiated); a Parameter has one
+        return getattr(tensor, "requires_grad", True)
 
     @staticmethod
     def is_floating_dtype(dtype):
@@ -357,12 +281,12 @@ class MindSporePlatform(Platform):
         return attention_kernels.sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
     @staticmethod
-    def attention_block_forward(q, k, v, causal=False, scale=None):
-        return attention_kernels.block_forward(q, k, v, causal, scale)
+    def attention_block_forward(q, k, v, causal=False, scale=None, mask=None):
+        return attention_kernels.block_forward(q, k, v, causal, scale, mask)
 
     @staticmethod
-    def attention_block_backward(grad_out, q, k, v, out, lse, causal=False, scale=None):
-        return attention_kernels.block_backward(grad_out, q, k, v, out, lse, causal, scale)
+    def attention_block_backward(grad_out, q, k, v, out, lse, causal=False, scale=None, mask=None):
+        return attention_kernels.block_backward(grad_out, q, k, v, out, lse, causal, scale, mask)
 
 
 class _PeakMemory:

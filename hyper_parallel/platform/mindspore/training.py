@@ -1,0 +1,127 @@
+"""What MindSpore training needs from the platform beyond DTensor ops: tensor factories, a gradient
+reducer in ``nn.TrainOneStepCell``, checkpoint files, and the PyNative-only guard.
+
+``MindSporeTrainingSupport`` is mixed into ``MindSporePlatform``. Core drives all of it:
+``core/data_parallel_tuple.py`` (the gradient all-reduce), ``core/dtensor/checkpoint_layout.py``
+(layouts and resharding) and ``core/dtensor/factories.py``.
+
+MindSpore hands gradients to the training step as one tuple, in the optimizer's parameter order
+(``grads = self.grad(self.network, self.weights)(...)``, then ``self.grad_reducer(grads)``), not
+through per-parameter hooks as torch does; so data parallelism here replaces that ``grad_reducer``
+Cell instead of hooking backward.
+"""
+import numpy as np
+
+import mindspore as ms
+from mindspore import mint, ops
+
+GRAPH_MODE_MESSAGE = ("hyper_parallel on MindSpore runs in PyNative mode only (its DTensor dispatch is "
+                      "Python, which GRAPH_MODE and ms.jit compile away): call "
+                      "ms.set_context(mode=ms.PYNATIVE_MODE) and do not wrap parallelized Cells in ms.jit")
+
+
+def check_pynative(who):
+    """Raise the hyper_parallel error naming GRAPH_MODE and the fix when not in PyNative mode."""
+    if ms.get_context("mode") != ms.PYNATIVE_MODE:
+        raise RuntimeError(f"{who}: MindSpore is in GRAPH_MODE. {GRAPH_MODE_MESSAGE}")
+
+
+class _GradReducerCell(ms.nn.Cell):
+    """``TrainOneStepCell.grad_reducer``: applies core's reducer to the gradient tuple."""
+
+    def __init__(self, reduce_fn):
+        super().__init__(auto_prefix=False)
+        self._reduce_fn = reduce_fn
+
+    def construct(self, grads):
+        return self._reduce_fn(grads)
+
+
+def _graph_mode_refusal(who):
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{who} called in GRAPH_MODE. {GRAPH_MODE_MESSAGE}")
+    return refuse
+
+
+def _to_numpy(tensor):
+    # numpy has no bfloat16: such pieces travel as float32 and are cast back on assignment
+    if tensor.dtype == ms.bfloat16:
+        tensor = tensor.astype(ms.float32)
+    return tensor.asnumpy()
+
+
+class MindSporeTrainingSupport:
+    """Mixin of ``MindSporePlatform`` (see the module docstring)."""
+
+    # gradients reach the training step as a tuple (core: data_parallel_tuple), not through hooks
+    gradients_as_tuple = True
+
+    @staticmethod
+    def check_execution_mode(who):
+        check_pynative(who)
+
+    # ---------------------------------------------------------------- tensor factories
+    @staticmethod
+    def create_tensor(kind, shape, dtype=None, device=None, fill_value=None):
+        """The factory ``kind`` (zeros / ones / empty / full / rand / randn) on ``shape``; rand and
+        randn draw from MindSpore's global seed (``ms.set_seed``) exactly as ``ops.rand`` /
+        ``ops.randn`` called directly do."""
+        shape = tuple(int(s) for s in shape)
+        dtype = dtype or ms.float32
+        if kind == "full":  # mint.full has no CPU kernel (FillScalar)
+            return ops.full(shape, fill_value, dtype=dtype)
+        if kind in ("rand", "randn"):
+            return getattr(ops, kind)(*shape, dtype=dtype) if shape else getattr(ops, kind)((), dtype=dtype)
+        if kind == "empty":  # an uninitialised CPU buffer may hold NaN garbage; zeros is as cheap
+            kind = "zeros"
+        return getattr(mint, kind)(shape, dtype=dtype)
+
+    # ---------------------------------------------------------------- gradient reducer
+    @staticmethod
+    def install_grad_reducer(cell, reduce_fn, who):
+        """Make ``reduce_fn(grads) -> grads`` the gradient reducer of a ``TrainOneStepCell``-like
+        Cell (one with ``network`` and ``grad_reducer``); returns False for any other Cell (the
+        caller applies the reducer itself). Either way, calling ``cell`` in GRAPH_MODE raises."""
+        object.__setattr__(cell, "compile_and_run", _graph_mode_refusal(who))
+        if not (isinstance(cell, ms.nn.Cell) and hasattr(cell, "grad_reducer") and hasattr(cell, "network")):
+            return False
+        cell.grad_reducer = _GradReducerCell(reduce_fn)
+        return True
+
+    @staticmethod
+    def train_step_network(cell):
+        """The network a ``TrainOneStepCell``-like Cell trains, or ``cell`` itself."""
+        network = getattr(cell, "network", None)
+        return network if isinstance(network, ms.nn.Cell) and hasattr(cell, "grad_reducer") else cell
+
+    # ---------------------------------------------------------------- checkpoint files
+    @staticmethod
+    def save_tensor_file(path, named_tensors):
+        """Write ``{name: tensor}`` as a MindSpore checkpoint (``ms.load_checkpoint`` reads it)."""
+        ms.save_checkpoint([{"name": name, "data": ms.Tensor(t) if not isinstance(t, ms.Tensor) else t}
+                            for name, t in named_tensors.items()], path)
+
+    @staticmethod
+    def load_tensor_file(path):
+        """``{name: numpy array}`` of a MindSpore checkpoint file."""
+        return {name: _to_numpy(param) for name, param in ms.load_checkpoint(path).items()}
+
+    @staticmethod
+    def tensor_to_numpy(tensor):
+        return _to_numpy(tensor)
+
+    @staticmethod
+    def parameter_name(param):
+        """The name a parameter is saved under (MindSpore: ``Parameter.name``, the Cell path)."""
+        return param.name
+
+    @staticmethod
+    def assign_parameter(param, array):
+        """Overwrite ``param``'s values in place (it keeps its dtype, shape and identity, so
+        optimizers and DTensor views holding it see the new values)."""
+        array = np.asarray(array)
+        if tuple(array.shape) != tuple(param.shape):
+            raise ValueError(f"cannot assign an array of shape {tuple(array.shape)} to parameter "
+                             f"{param.name} of shape {tuple(param.shape)}")
+        param.set_data(ms.Tensor(array.astype(np.float32) if param.dtype == ms.bfloat16 else array)
+                       .astype(param.dtype))
