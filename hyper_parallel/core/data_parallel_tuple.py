@@ -23,7 +23,8 @@ def check_disjoint_meshes(param, dp_mesh, name):
         return
     shared = set(param.device_mesh.rank_list) & set(dp_mesh.group_ranks(0))
     if len(shared) > 1:
-        raise ValueError(f"data_parallel: the DTensor parameter {name} lives on mesh {param.device_mesh} which "
+        raise ValueError(f"data_parallel: the DTensor parameter {name} lives on mesh "
+                         f"{param.device_mesh} which "
                          f"shares ranks {sorted(shared)} with the data-parallel mesh {dp_mesh}; its shards "
                          f"differ across those ranks, so their gradients cannot be averaged. Use a "
                          f"data-parallel mesh dim different from the parameter's (e.g. mesh['dp'] beside "
@@ -72,7 +73,8 @@ class TupleGradReducer:
                 n = locals_[i].numel()
                 reduced[i] = flat[offset:offset + n].reshape(tuple(locals_[i].shape))
                 offset += n
-        return tuple(DTensor._make(r, g._spec) if isinstance(g, DTensor) else r for g, r in zip(grads, reduced))
+        return tuple(DTensor._make(r, g._spec) if isinstance(g, DTensor) else r
+                     for g, r in zip(grads, reduced))
 
     def _buckets(self, tensors):
         """Index lists, same dtype each, at most ``cap_bytes`` (one tensor may exceed it); the
@@ -111,6 +113,7 @@ def tuple_data_parallel(module, device_mesh, average, bucket_mb):
     platform.check_execution_mode("data_parallel")
     reducer = TupleGradReducer(module, device_mesh, average, bucket_mb)
     platform.install_grad_reducer(module, reducer, "a data_parallel Cell")
-    for attr, value in (("_hp_grad_reducer", reducer), ("grad_reducer_fn", reducer), ("no_sync", reducer.no_sync)):
+    attrs = (("_hp_grad_reducer", reducer), ("grad_reducer_fn", reducer), ("no_sync", reducer.no_sync))
+    for attr, value in attrs:
         object.__setattr__(module, attr, value)
     return module
