@@ -1,5 +1,6 @@
 """Context parallelism for attention: Ulysses, all-gather KV, their hybrid, head-tail load balancing,
-and ring attention."""
+ring attention, and packed-document / padding masks in all of them."""
+from hyper_parallel.core.context_parallel.masks import attention_masks
 from hyper_parallel.core.context_parallel.style import ContextParallel
 
-__all__ = ["ContextParallel"]
+__all__ = ["ContextParallel", "attention_masks"]

@@ -9,6 +9,8 @@ from hyper_parallel.core.context_parallel.checks import (NAMES, check_across_ran
                                                          suspect_whole_sequence)
 from hyper_parallel.core.context_parallel.layouts import input_placements, mode_placements
 from hyper_parallel.core.context_parallel.load_balance import merge_head_tail, split_head_tail
+from hyper_parallel.core.context_parallel.mask_mode import with_masks
+from hyper_parallel.core.context_parallel.masks import active_masks, check_masks
 from hyper_parallel.core.context_parallel.output import first_output, to_caller
 from hyper_parallel.core.context_parallel.ring_mode import run_ring
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
@@ -224,6 +226,11 @@ def run_attention(style, cp_mesh, qkv, call):
     inputs = _prepare(style, cp_mesh, qkv)
     ulysses_dims, gather_dims = _mode_dims(style, cp_mesh, inputs)
     inputs = _validate(style, inputs, ulysses_dims)
+    masks = active_masks()
+    if masks is not None:   # packed documents / padding: masks.py, applied at the attention op
+        check_masks(masks, inputs.shapes[0][0], inputs.shapes[0][inputs.seq], inputs.shapes[1][inputs.seq])
+        if not (style.kv_exchange == "ring" and gather_dims):
+            call = with_masks(masks, call)
     if style.kv_exchange == "ring" and gather_dims:
         return _deliver(style, inputs, *run_ring(style, inputs, ulysses_dims, gather_dims[0], call))
     mesh, seq, head = inputs.mesh, inputs.seq, inputs.head

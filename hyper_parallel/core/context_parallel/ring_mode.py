@@ -8,6 +8,8 @@ the attention rule. Attention code that consumes them otherwise is refused: it c
 from hyper_parallel.core.context_parallel.layouts import mode_placements
 from hyper_parallel.core.context_parallel.load_balance import merge_head_tail, split_head_tail
 from hyper_parallel.core.context_parallel.output import first_output, to_caller
+from hyper_parallel.core.context_parallel.masked_ring import masked_ring_attention
+from hyper_parallel.core.context_parallel.masks import active_masks
 from hyper_parallel.core.context_parallel.ring import RingLayout, ring_attention
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.interceptors import Interceptor, intercepting
@@ -69,8 +71,10 @@ def run_ring(style, inputs, ulysses_dims, ring_dim, call):
     dts = [DTensor.from_local(t, mesh, p, shape=s)
            for t, p, s in zip(locals_, inputs.placements, inputs.shapes)]
     target, _ = mode_placements(inputs.placements[0], mesh, ndim, seq, head, ulysses_dims, [])
+    masks = active_masks()   # packed documents / padding (masks.py): the masked ring kernel
     ring = RingInterceptor(lambda q, k, v, causal, scale:
-                           ring_attention(q, k, v, layout, causal, scale))
+                           ring_attention(q, k, v, layout, causal, scale) if masks is None
+                           else masked_ring_attention(q, k, v, layout, masks, causal, scale))
     moved = [t.redistribute(placements=target) for t in dts]
     for t in moved:
         ring.follow(t)

@@ -78,26 +78,28 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 # ------------------------------------------------------------------------------ ring kernels
-def _scores(q, k, causal, scale):
+def _scores(q, k, causal, scale, mask=None):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = ops.matmul(q.astype(ms.float32), k.astype(ms.float32).swapaxes(-1, -2)) * scale
     if causal:
         keep = ops.tril(mint.ones(tuple(s.shape[-2:]), dtype=ms.int32)).astype(ms.bool_)
         s = s.masked_fill(~keep, float("-inf"))
+    if mask is not None:   # boolean, True where attention is allowed
+        s = s.masked_fill(~mask, float("-inf"))
     return s, scale
 
 
-def block_forward(q, k, v, causal=False, scale=None):
+def block_forward(q, k, v, causal=False, scale=None, mask=None):
     """(out, float32 log-sum-exp) of attention over one key block (batch, heads, seq, dim)."""
-    s, _ = _scores(q, k, causal, scale)
+    s, _ = _scores(q, k, causal, scale, mask)
     lse = ops.logsumexp(s, -1)
     out = ops.matmul(ops.exp(s - lse.unsqueeze(-1)), v.astype(ms.float32))
     return out.astype(q.dtype), lse
 
 
-def block_backward(grad_out, q, k, v, out, lse, causal=False, scale=None):
+def block_backward(grad_out, q, k, v, out, lse, causal=False, scale=None, mask=None):
     """(dq, dk, dv) of one key block, given the row's final output and log-sum-exp."""
-    s, scale = _scores(q, k, causal, scale)
+    s, scale = _scores(q, k, causal, scale, mask)
     p = ops.exp(s - lse.unsqueeze(-1))
     g = grad_out.astype(ms.float32)
     dv = ops.matmul(p.swapaxes(-1, -2), g)

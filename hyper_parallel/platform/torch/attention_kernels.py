@@ -1,7 +1,9 @@
 """Attention on one block of keys that also returns (and can restart from) the log-sum-exp: the
 kernels ring attention is built from. Tensors are (batch, heads, seq, dim); ``causal`` is the
-top-left aligned mask j <= i; the log-sum-exp is float32 (float64 for float64 inputs), shaped
-(batch, heads, seq).
+top-left aligned mask j <= i; ``mask`` (optional) is a boolean tensor broadcastable to (batch, heads,
+q seq, k seq), True where attention is allowed. The log-sum-exp is float32 (float64 for float64
+inputs), shaped (batch, heads, seq). A row whose mask is all False has an unspecified output and
+log-sum-exp (the CPU kernel gives 0 for both): callers that mask rows away handle them.
 
 CPU uses the fused flash-attention-for-CPU kernels; elsewhere a plain tensor version (exact, not
 memory-efficient) is the fallback.
@@ -11,41 +13,51 @@ import torch
 _aten = torch.ops.aten
 
 
-def block_forward(q, k, v, causal, scale):
+def _additive(mask, like):
+    """The CPU flash kernels take a float mask in q's dtype, added to the scores."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill(~mask, float("-inf"))
+
+
+def block_forward(q, k, v, causal, scale, mask=None):
     if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return _math_forward(q, k, v, causal, scale)
+        return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                 attn_mask=_additive(mask, q), scale=scale)
+    return _math_forward(q, k, v, causal, scale, mask)
 
 
-def block_backward(grad_out, q, k, v, out, lse, causal, scale):
+def block_backward(grad_out, q, k, v, out, lse, causal, scale, mask=None):
     if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.contiguous(), q, k, v, out, lse, 0.0, causal, scale=scale)
-    return _math_backward(grad_out, q, k, v, out, lse, causal, scale)
+            grad_out.contiguous(), q, k, v, out, lse, 0.0, causal, attn_mask=_additive(mask, q), scale=scale)
+    return _math_backward(grad_out, q, k, v, out, lse, causal, scale, mask)
 
 
 def _acc(t):
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def _scores(q, k, causal, scale):
+def _scores(q, k, causal, scale, mask=None):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = torch.matmul(_acc(q), _acc(k).transpose(-1, -2)) * scale
     if causal:
-        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        triangle = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~triangle, float("-inf"))
+    if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     return s, scale
 
 
-def _math_forward(q, k, v, causal, scale):
-    s, _ = _scores(q, k, causal, scale)
+def _math_forward(q, k, v, causal, scale, mask=None):
+    s, _ = _scores(q, k, causal, scale, mask)
     lse = torch.logsumexp(s, dim=-1)
     out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _acc(v))
     return out.to(q.dtype), lse
 
 
-def _math_backward(grad_out, q, k, v, out, lse, causal, scale):
-    s, scale = _scores(q, k, causal, scale)
+def _math_backward(grad_out, q, k, v, out, lse, causal, scale, mask=None):
+    s, scale = _scores(q, k, causal, scale, mask)
     p = torch.exp(s - lse.unsqueeze(-1))
     g = _acc(grad_out)
     dv = torch.matmul(p.transpose(-1, -2), g)

@@ -1,0 +1,83 @@
+"""The mask of one (query block, key block) tile, built from document ids and padding, never S×S.
+
+A tile covers global query positions [q0, q0+ql) and key positions [k0, k0+kl) of batch rows
+[b0, b0+nb). Its kind decides what the kernel runs:
+
+* ``skip``: no query of the tile sees any key (another document, padding, above the causal
+  diagonal) -- no compute at all;
+* ``full``: every query sees every key -- the kernel without a mask;
+* ``causal``: exactly the top-left causal triangle (q0 == k0) -- the kernel's own causal mask;
+* ``masked``: anything else -- the kernel with the tile's boolean mask (nb, 1, ql, kl).
+
+The decisions are computed where the ids live (on the CPU when the caller follows the advice in
+masks.py), and only a ``masked`` tile's mask moves to the device of q.
+"""
+from dataclasses import dataclass
+
+from hyper_parallel.platform import get_platform
+
+
+@dataclass(frozen=True)
+class Span:
+    start: int
+    length: int
+
+    @property
+    def stop(self):
+        return self.start + self.length
+
+
+def spans(span, size):
+    """``span`` cut into consecutive tiles of at most ``size`` positions."""
+    return [Span(s, min(size, span.stop - s)) for s in range(span.start, span.stop, size)]
+
+
+def _causal_only(q, k):
+    """The kind of a tile under the causal mask alone (None: partly visible, not the diagonal)."""
+    if k.start >= q.stop:
+        return "skip"
+    if k.stop - 1 <= q.start:
+        return "full"
+    if q.start == k.start and q.length == k.length:
+        return "causal"
+    return None
+
+
+def _content_mask(masks, rows, q, k):
+    """(nb, ql, kl) booleans of documents and padding (None when neither is given)."""
+    mask = None
+    if masks.document_ids is not None:
+        ids = masks.document_ids.narrow(0, rows.start, rows.length)
+        q_ids, k_ids = ids.narrow(1, q.start, q.length), ids.narrow(1, k.start, k.length)
+        mask = q_ids.unsqueeze(-1) == k_ids.unsqueeze(-2)
+    if masks.padding is not None:
+        keys = masks.padding.narrow(0, rows.start, rows.length).narrow(1, k.start, k.length).unsqueeze(-2)
+        mask = keys.expand((rows.length, q.length, k.length)) if mask is None else mask & keys
+    return mask
+
+
+def tile(masks, rows, q, k, causal):
+    """(kind, mask) of one tile; the mask is set only for ``masked`` (shape (nb, 1, ql, kl))."""
+    by_causal = _causal_only(q, k) if causal else "full"
+    if by_causal == "skip":
+        return "skip", None
+    mask = _content_mask(masks, rows, q, k)
+    if causal and by_causal != "full":
+        platform = get_platform()
+        device = mask.device if mask is not None else None
+        key_pos = platform.arange(k.length, device=device) + k.start
+        query_pos = platform.arange(q.length, device=device) + q.start
+        triangle = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+        mask = triangle.unsqueeze(0) if mask is None else mask & triangle
+        if mask.shape[0] != rows.length:
+            mask = mask.expand((rows.length, q.length, k.length))
+        if by_causal == "causal" and bool((mask == triangle).all()):
+            return "causal", None
+    if mask is None or bool(mask.all()):
+        return "full", None
+    if not bool(mask.any()):
+        return "skip", None
+    return "masked", mask.unsqueeze(1)
+
+
+__all__ = ["Span", "spans", "tile"]

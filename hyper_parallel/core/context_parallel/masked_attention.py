@@ -1,0 +1,187 @@
+"""Attention of a block of queries on a block of keys under document / padding / causal masks,
+tile by tile (block_masks.py): the kernel every masked ContextParallel mode runs locally.
+
+q covers global positions ``q_span`` and k/v ``k_span`` of batch rows ``rows``; tensors are
+(batch, heads, seq, dim), k/v may have fewer heads (GQA). Each query tile merges its key tiles by
+log-sum-exp; skipped tiles cost nothing. ``forward`` returns (out, lse) with lse = -inf and out = 0
+on rows that see no key, so blocks from other ranks (ring steps) merge in safely; ``backward``
+recomputes each tile's gradients from the final (out, lse) of its rows.
+"""
+from hyper_parallel.core.context_parallel.block_masks import Span, spans, tile
+from hyper_parallel.core.dtensor.ops.attention import expand_heads, fold_heads
+from hyper_parallel.platform import get_platform
+
+NEG_INF = float("-inf")
+SEQ = 2
+
+
+def _key_tiles(q_tiles, k_span, size):
+    """One partition of ``k_span`` for every query tile, cut at the query tiles' edges as well: the
+    causal diagonal of each query tile is then one aligned key tile, the keys before it whole
+    (unmasked) tiles, and per-tile gradients add up on a common partition."""
+    inner = {c for q in q_tiles for c in (q.start, q.stop) if k_span.start < c < k_span.stop}
+    cuts = sorted({k_span.start, k_span.stop} | inner)
+    out = []
+    for a, b in zip(cuts, cuts[1:]):
+        out += spans(Span(a, b - a), size)
+    return out
+
+
+def plan(masks, rows, q_span, k_span, causal):
+    """[(query tile, [(key tile, kind, mask)])], skipped key tiles left out."""
+    size = masks.block_size
+    q_tiles = spans(q_span, size)
+    k_tiles = _key_tiles(q_tiles, k_span, size)
+    result = []
+    for q in q_tiles:
+        keys = []
+        for k in k_tiles:
+            kind, mask = tile(masks, rows, q, k, causal)
+            if kind != "skip":
+                keys.append((k, kind, mask))
+        result.append((q, keys))
+    return result
+
+
+def merge(acc, out, lse):
+    """Two partial attentions over disjoint keys, by log-sum-exp; rows where both saw nothing stay
+    (0, -inf) instead of becoming NaN (-inf - -inf)."""
+    out = out.to(lse.dtype)
+    if acc is None:
+        return out, lse
+    acc_out, acc_lse = acc
+    new = acc_lse.logaddexp(lse)
+    dead = new == NEG_INF
+    w_acc = (acc_lse - new).exp().masked_fill(dead, 0.0).unsqueeze(-1)
+    w_new = (lse - new).exp().masked_fill(dead, 0.0).unsqueeze(-1)
+    return acc_out * w_acc + out * w_new, new
+
+
+def _narrow(t, span, origin):
+    return t.narrow(SEQ, span.start - origin.start, span.length)
+
+
+def _on(mask, like):
+    return mask if mask.device == like.device else mask.to(like.device)
+
+
+def _lse_dtype(q):
+    ref = q.new_zeros((1,))
+    return ref.double().dtype if q.dtype == ref.double().dtype else ref.float().dtype
+
+
+def forward(q, k, v, masks, rows, q_span, k_span, causal, scale):
+    """(out in float32/64, lse) of q's rows over k/v's keys; None when the masks leave no key
+    visible to any row (nothing was computed)."""
+    platform = get_platform()
+    groups = q.shape[-3] // k.shape[-3]
+    outs, lses = [], []
+    tiles = plan(masks, rows, q_span, k_span, causal)
+    if not any(keys for _, keys in tiles):
+        return None
+    for q_tile, keys in tiles:
+        qt, acc = _narrow(q, q_tile, q_span), None
+        for k_tile, kind, mask in keys:
+            kt, vt = (expand_heads(_narrow(t, k_tile, k_span), groups) for t in (k, v))
+            if kind == "masked":
+                mask = _on(mask, q)
+                out, lse = platform.attention_block_forward(qt, kt, vt, False, scale, mask=mask)
+                empty = ~mask.any(-1)   # (nb, 1, ql): the kernel's lse for such rows is not -inf
+                lse = lse.masked_fill(empty, NEG_INF)
+                out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+            else:
+                out, lse = platform.attention_block_forward(qt, kt, vt, kind == "causal", scale)
+            acc = merge(acc, out, lse)
+        if acc is None:
+            acc = empty_result(qt, v)
+        outs.append(acc[0])
+        lses.append(acc[1])
+    cat = get_platform().cat
+    return (outs[0], lses[0]) if len(outs) == 1 else (cat(outs, SEQ), cat(lses, SEQ))
+
+
+def backward(grad_out, q, k, v, out, lse, masks, rows, q_span, k_span, causal, scale):
+    """(dq, dk, dv) in the accumulation dtype (lse's) for one q block against one k/v block; None
+    when the masks leave no key visible to any row."""
+    platform = get_platform()
+    groups = q.shape[-3] // k.shape[-3]
+    acc = lse.dtype
+    tiles = plan(masks, rows, q_span, k_span, causal)
+    if not any(keys for _, keys in tiles):
+        return None
+    live_lse = lse.masked_fill(lse == NEG_INF, 0.0)   # rows seeing nothing: every score is masked anyway
+    dq, dk, dv = [], {}, {}
+    for q_tile, keys in tiles:
+        qt, gt, ot = (_narrow(t, q_tile, q_span) for t in (q, grad_out, out))
+        lt = live_lse.narrow(SEQ, q_tile.start - q_span.start, q_tile.length)
+        dqt = qt.new_zeros(tuple(qt.shape), dtype=acc)
+        for k_tile, kind, mask in keys:
+            kt, vt = (expand_heads(_narrow(t, k_tile, k_span), groups) for t in (k, v))
+            extra = {"mask": _on(mask, q)} if kind == "masked" else {}
+            dqb, dkb, dvb = platform.attention_block_backward(gt, qt, kt, vt, ot, lt, kind == "causal",
+                                                              scale, **extra)
+            dqt = dqt + dqb
+            key = (k_tile.start, k_tile.length)
+            dk[key] = fold_heads(dkb, groups).to(acc) + dk.get(key, 0)
+            dv[key] = fold_heads(dvb, groups).to(acc) + dv.get(key, 0)
+        dq.append(dqt)
+    dk_full, dv_full = (_assemble(parts, k, k_span, acc) for parts in (dk, dv))
+    return (dq[0] if len(dq) == 1 else platform.cat(dq, SEQ)), dk_full, dv_full
+
+
+def _assemble(parts, like, span, dtype):
+    """The (batch, kv heads, span, dim) gradient from per-tile pieces, zeros where no tile was live."""
+    platform = get_platform()
+    pieces, at = [], span.start
+    for start, length in sorted(parts):
+        if start > at:
+            pieces.append(_zeros(like, start - at, dtype))
+        pieces.append(parts[(start, length)])
+        at = start + length
+    if at < span.stop:
+        pieces.append(_zeros(like, span.stop - at, dtype))
+    return pieces[0] if len(pieces) == 1 else platform.cat(pieces, SEQ)
+
+
+def _zeros(like, length, dtype):
+    shape = list(like.shape)
+    shape[SEQ] = length
+    return like.new_zeros(tuple(shape), dtype=dtype)
+
+
+def empty_result(q, v):
+    """(out, lse) of rows that see no key: 0 and -inf (torch's SDPA gives 0 for a fully masked row)."""
+    shape = tuple(q.shape[:-1])
+    dtype = _lse_dtype(q)
+    return q.new_zeros(shape + (v.shape[-1],), dtype=dtype), q.new_full(shape, NEG_INF, dtype=dtype)
+
+
+def _autograd_forward(ctx, q, k, v, masks, rows, q_span, k_span, causal, scale):
+    out, lse = forward(q, k, v, masks, rows, q_span, k_span, causal, scale) or empty_result(q, v)
+    out = out.to(q.dtype)
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = (masks, rows, q_span, k_span, causal, scale)
+    return out
+
+
+def _autograd_backward(ctx, grad_out):
+    q, k, v, out, lse = ctx.saved_tensors
+    grads = backward(grad_out.contiguous(), q, k, v, out, lse, *ctx.args)
+    if grads is None:
+        grads = (q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape))
+    dq, dk, dv = grads
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+
+
+_fn = []  # built on first use: the platform may be chosen after import
+
+
+def masked_attention(q, k, v, masks, rows, q_span, k_span, causal, scale):
+    """Differentiable masked attention of q (rows ``q_span``) on k/v (keys ``k_span``)."""
+    if not _fn:
+        _fn.append(get_platform().make_autograd_function("MaskedBlockAttention", _autograd_forward,
+                                                         _autograd_backward))
+    return _fn[0](q, k, v, masks, rows, q_span, k_span, causal, scale)
+
+
+__all__ = ["forward", "backward", "masked_attention", "merge", "plan"]
