@@ -1,49 +1,33 @@
-"""The framework-neutral surface every platform implements.
+"""The complete contract between core and a framework: every member core uses, by concern.
 
-``core/`` only ever talks to this interface (through ``get_platform()``), so the same DTensor,
-tensor-parallel and context-parallel code runs on PyTorch, Ascend NPU and MindSpore.
+``core/`` and ``integrations/`` call ``get_platform()`` where they use a member; the contract test
+(``tests/test_platform_contract.py``) fails on an undeclared one. ``@abstractmethod`` members are
+what a framework provides; the others default to what is the same everywhere (the collective
+forwarders, the differentiable collectives) or to a framework lacking the concept (aten, buffers).
 """
+import abc
 import threading
+
+from hyper_parallel.platform.handles import AsyncHandle, CompletedHandle  # noqa: F401  (re-exported)
+from hyper_parallel.platform.training_contract import TrainingLoopContract, unavailable as _unavailable
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
 
-class AsyncHandle:
-    """Result of an ``async_op=True`` collective: ``wait()`` returns the output tensor(s)."""
-
-    def __init__(self, works, finish):
-        self._works = list(works)
-        self._finish = finish
-        self._result = None
-        self._done = False
-
-    def wait(self):
-        if not self._done:
-            for work in self._works:
-                work.wait()
-            self._result = self._finish()
-            self._done = True
-        return self._result
-
-
-class CompletedHandle(AsyncHandle):
-    """An async handle for work that already finished (emulated collectives run eagerly)."""
-
-    def __init__(self, result):
-        super().__init__((), lambda: result)
-
-
-class Platform:
-    """Abstract platform. Subclasses fill in every method below."""
+class Platform(TrainingLoopContract, abc.ABC):
+    """Abstract platform. A subclass sets ``_comm`` (its raw collectives) in ``__init__``. The
+    training-loop members (data parallel, layout checkpoints) are declared in training_contract.py."""
 
     name = "abstract"
-    # Framework classes exposed to core and to users.
-    Tensor = None
-    Module = None
-    Parameter = None
-    DTensorBase = None
+    # ---------------------------------------------------------------- framework classes
+    Tensor = None        # the framework's tensor class
+    Module = None        # its module class (torch.nn.Module, mindspore.nn.Cell)
+    Parameter = None     # its parameter class
+    DTensorBase = None   # the base core's DTensor subclasses (see the platform's dtensor_base.py)
 
     def __init__(self):
+        self._comm = None
+        self._autograd_comm = None
         self._comm_observers = []
         self._observer_lock = threading.Lock()
 
@@ -54,111 +38,262 @@ class Platform:
             self._comm_observers.append(observer)
 
     def remove_comm_observer(self, observer):
+        """Stop calling ``observer``."""
         with self._observer_lock:
             self._comm_observers.remove(observer)
 
     def record_comm(self, op_name, bytes_sent, group_ranks):
+        """Report one collective to the observers (the collectives call this)."""
         for observer in list(self._comm_observers):
             observer(op_name, bytes_sent, group_ranks)
 
-    # ---------------------------------------------------------------- capability table
+    @abc.abstractmethod
     def capabilities(self):
-        """``{collective: "native" | "emulated: how"}`` for the current backend."""
-        raise NotImplementedError
+        """``{collective: "native" | "emulated: how"}`` for the current backend, plus "backend"."""
 
     # ---------------------------------------------------------------- process groups
-    def init_process_group(self, backend=None, **kwargs):
-        raise NotImplementedError
+    @abc.abstractmethod
+    def init_process_group(self, backend=None, timeout_s=None, **kwargs):
+        """Initialise the default group from the launcher's environment (no-op if done)."""
 
+    @abc.abstractmethod
     def is_initialized(self):
-        raise NotImplementedError
+        """Whether the default group exists."""
 
+    @abc.abstractmethod
     def get_rank(self, group=None):
-        raise NotImplementedError
+        """This process's rank in ``group`` (default: the world)."""
 
+    @abc.abstractmethod
     def get_world_size(self, group=None):
-        raise NotImplementedError
+        """The number of ranks in ``group`` (default: the world)."""
 
-    def new_group(self, ranks):
-        """The process group of ``ranks`` (a tuple of global ranks), created once and cached.
+    @abc.abstractmethod
+    def new_group(self, ranks, timeout_s=None):
+        """The group of ``ranks`` (global ranks, in mesh order), created once and cached; every rank
+        calls it for every group in the same order (DeviceMesh guarantees that)."""
 
-        Every rank must call this for every group, in the same order (the collective nature of
-        group creation); DeviceMesh guarantees that.
-        """
-        raise NotImplementedError
-
+    @abc.abstractmethod
     def group_ranks(self, group):
-        raise NotImplementedError
+        """The global ranks of ``group`` in creation order."""
 
+    def group_timeout(self, group):
+        """The collective timeout of ``group`` in seconds, or None for the framework's default."""
+        return None
+
+    @abc.abstractmethod
     def barrier(self, group=None):
-        raise NotImplementedError
+        """Wait for every rank of ``group``."""
 
+    @abc.abstractmethod
     def destroy_process_group(self):
-        raise NotImplementedError
+        """Tear the groups down (a barrier first)."""
 
     # ---------------------------------------------------------------- raw collectives
-    # Each returns the result, or an AsyncHandle when async_op=True. Inputs may be
-    # non-contiguous; outputs are new contiguous tensors.
+    # Each returns the result, or an AsyncHandle when async_op=True. Inputs may be non-contiguous;
+    # outputs are new contiguous tensors. ``self._comm`` implements them per framework.
     def all_gather(self, tensor, group, dim=0, async_op=False):
-        raise NotImplementedError
+        """Every rank's ``tensor`` concatenated along ``dim`` in group-rank order."""
+        return self._comm.all_gather(tensor, group, dim, async_op)
 
     def all_to_all_single(self, tensor, group, split_dim=0, concat_dim=0, async_op=False):
-        raise NotImplementedError
+        """Block i of ``split_dim`` goes to group rank i; received blocks concatenate on ``concat_dim``."""
+        return self._comm.all_to_all_single(tensor, group, split_dim, concat_dim, async_op)
 
     def all_to_all(self, tensors, group, out_shapes=None, async_op=False):
-        """List form: ``tensors[i]`` goes to group rank i; returns the list received, the piece
-        from group rank j shaped ``out_shapes[j]`` (default: ``tensors[j].shape``)."""
-        raise NotImplementedError
+        """``tensors[i]`` goes to group rank i; the piece from rank j comes back as ``out_shapes[j]``."""
+        return self._comm.all_to_all(tensors, group, out_shapes, async_op)
 
     def reduce_scatter(self, tensor, group, dim=0, op="sum", async_op=False):
-        raise NotImplementedError
+        """The reduction over the group, this rank keeping its block of ``dim``."""
+        return self._comm.reduce_scatter(tensor, group, dim, op, async_op)
 
     def all_reduce(self, tensor, group, op="sum", async_op=False, tag=None):
-        """``tag`` names the call in communication accounting (default "all_reduce")."""
-        raise NotImplementedError
+        """The reduction over the group; ``tag`` names the call in accounting (default all_reduce)."""
+        return self._comm.all_reduce(tensor, group, op, async_op, tag)
 
     def broadcast(self, tensor, src, group, async_op=False):
-        """``src`` is a global rank; returns the broadcast tensor on every rank."""
-        raise NotImplementedError
+        """``src``'s tensor (``src`` a global rank) on every rank."""
+        return self._comm.broadcast(tensor, src, group, async_op)
 
     def p2p_exchange(self, sends, recvs, group=None, async_op=False):
         """Batched point-to-point: ``sends`` = [(tensor, global_dst)], ``recvs`` =
         [(template_tensor, global_src)] whose shape/dtype the received tensors take."""
-        raise NotImplementedError
+        return self._comm.p2p_exchange(sends, recvs, group, async_op)
 
-    # ---------------------------------------------------------------- autograd-aware collectives
+    # ---------------------------------------------------------------- differentiable collectives
+    # Written once (differentiable_collectives.py) on make_autograd_function and the raw ones.
+    def _differentiable(self):
+        if self._autograd_comm is None:
+            from hyper_parallel.platform.differentiable_collectives import DifferentiableCollectives
+            self._autograd_comm = DifferentiableCollectives(self)
+        return self._autograd_comm
+
     def differentiable_all_gather(self, tensor, group, dim=0):
-        raise NotImplementedError
+        """all_gather whose backward is a reduce-scatter of the gradient."""
+        return self._differentiable().all_gather(tensor, group, dim)
 
     def differentiable_reduce_scatter(self, tensor, group, dim=0):
-        raise NotImplementedError
+        """reduce_scatter (sum) whose backward is an all-gather of the gradient."""
+        return self._differentiable().reduce_scatter(tensor, group, dim)
 
     def differentiable_all_to_all(self, tensor, group, split_dim, concat_dim):
-        raise NotImplementedError
+        """all_to_all_single whose backward is the inverse all-to-all."""
+        return self._differentiable().all_to_all(tensor, group, split_dim, concat_dim)
 
-    def differentiable_all_reduce(self, tensor, group, op="sum"):
-        raise NotImplementedError
+    def differentiable_all_reduce(self, tensor, group, op="sum", backward="sum"):
+        """all_reduce; ``backward="sum"`` all-reduces the gradient, ``"identity"`` passes it on."""
+        return self._differentiable().all_reduce(tensor, group, op, backward)
 
     def differentiable_p2p_exchange(self, tensor, send_to, recv_from, group=None):
-        raise NotImplementedError
+        """Send to ``send_to``, receive a same-shaped tensor from ``recv_from``; backward reverses it."""
+        return self._differentiable().p2p_exchange(tensor, send_to, recv_from, group)
 
-    # ---------------------------------------------------------------- modules and hooks
+    # ---------------------------------------------------------------- device and memory
+    @property
+    @abc.abstractmethod
+    def device_type(self):
+        """"cpu", "cuda", "npu", "ascend"..."""
+
+    @property
+    @abc.abstractmethod
+    def default_backend(self):
+        """The communication backend init_process_group uses by default."""
+
+    @abc.abstractmethod
+    def device(self):
+        """The current device object."""
+
+    @abc.abstractmethod
+    def set_device(self, local_rank):
+        """Bind this process to device ``local_rank`` (no-op on CPU)."""
+
+    @abc.abstractmethod
+    def synchronize(self):
+        """Wait for the queued device work."""
+
+    @abc.abstractmethod
+    def track_peak_memory(self):
+        """Context manager measuring the peak bytes allocated inside it (``.peak_bytes``)."""
+
+    @abc.abstractmethod
+    def peak_memory_bytes(self):
+        """Peak device memory; on CPU the process's peak resident set."""
+
+    @abc.abstractmethod
+    def manual_seed(self, seed):
+        """Seed the framework's random generator."""
+
+    # ---------------------------------------------------------------- tensor factories
+    @abc.abstractmethod
+    def tensor(self, data, dtype=None, device=None):
+        """A tensor from Python data."""
+
+    @abc.abstractmethod
+    def arange(self, n, device=None):
+        """0 .. n-1 as int64."""
+
+    @abc.abstractmethod
+    def zeros(self, shape, dtype=None, device=None):
+        """Zeros of ``shape``."""
+
+    @abc.abstractmethod
+    def empty(self, shape, dtype=None, device=None):
+        """An uninitialised (or zero) tensor of ``shape``."""
+
+    @staticmethod
+    def zeros_like(tensor):
+        """Zeros with ``tensor``'s shape, dtype and device."""
+        return tensor.new_zeros(tensor.shape)
+
+    @abc.abstractmethod
+    def cat(self, tensors, dim=0):
+        """Concatenation along ``dim``."""
+
+    @abc.abstractmethod
+    def meta_tensor(self, shape, dtype):
+        """A data-less tensor of ``shape`` (shape inference)."""
+
+    @abc.abstractmethod
+    def to_meta(self, tensor):
+        """``tensor``'s shape and dtype as a meta tensor."""
+
+    def create_tensor(self, kind, shape, dtype=None, device=None, fill_value=None):
+        """The factory ``kind`` (zeros / ones / empty / full / rand / randn) on ``shape``."""
+        raise _unavailable(f"hyper_parallel's DTensor factories ({kind})", self)
+
+    # ---------------------------------------------------------------- shapes and dtypes
+    @abc.abstractmethod
+    def is_tensor(self, obj):
+        """Whether ``obj`` is a framework tensor (a DTensor included)."""
+
+    @abc.abstractmethod
+    def broadcast_shapes(self, *shapes):
+        """The broadcast of ``shapes`` as a tuple."""
+
+    @abc.abstractmethod
+    def is_floating_dtype(self, dtype):
+        """Floating or complex ``dtype`` (one that carries gradients)."""
+
+    @abc.abstractmethod
+    def is_floating_point(self, tensor):
+        """Whether ``tensor`` has a floating dtype."""
+
+    @abc.abstractmethod
+    def bool_dtype(self):
+        """The framework's bool dtype."""
+
+    @abc.abstractmethod
+    def float32(self):
+        """The framework's float32 dtype."""
+
+    @abc.abstractmethod
+    def local_sum(self, tensor, dim=None, keepdim=False):
+        """``tensor.sum(dim, keepdim)`` of a local piece; an empty piece gives zeros (zero gradient)."""
+
+    # ---------------------------------------------------------------- autograd plumbing
+    @abc.abstractmethod
+    def make_autograd_function(self, name, forward, backward):
+        """A differentiable callable from ``forward(ctx, *args)`` / ``backward(ctx, *grads)``
+        (one gradient per argument, None for non-tensors); DTensor arguments and results work."""
+
+    @abc.abstractmethod
+    def no_grad(self):
+        """Context manager: record no graph inside."""
+
+    @abc.abstractmethod
+    def is_grad_enabled(self):
+        """Whether operations are recorded for differentiation now."""
+
+    @abc.abstractmethod
+    def requires_grad(self, tensor):
+        """Whether ``tensor`` may need a gradient (a framework that decides later: True)."""
+
+    # ---------------------------------------------------------------- module surgery
+    @abc.abstractmethod
     def register_forward_pre_hook(self, module, hook, with_kwargs=False):
-        raise NotImplementedError
+        """``hook(module, args[, kwargs])`` before every forward; returns a removable handle."""
 
+    @abc.abstractmethod
     def register_forward_hook(self, module, hook, with_kwargs=False):
-        raise NotImplementedError
+        """``hook(module, args, [kwargs,] output)`` after every forward; returns a removable handle."""
 
     def register_grad_ready_hooks(self, params, on_ready, on_backward_end):
         """``on_ready(param)`` once ``param.grad`` holds this backward's gradient, ``on_backward_end()``
         once at the end of each backward that readied one of ``params``; returns a remover."""
-        raise NotImplementedError
+        raise _unavailable("register_grad_ready_hooks (gradient-ready hooks)", self)
 
+    @abc.abstractmethod
+    def replace_forward(self, module, make_wrapper):
+        """Route calls through ``make_wrapper(original_forward)``; returns a restoring function."""
+
+    @abc.abstractmethod
     def is_linear(self, module):
-        raise NotImplementedError
+        """Whether ``module`` is the framework's linear layer."""
 
+    @abc.abstractmethod
     def is_embedding(self, module):
-        raise NotImplementedError
+        """Whether ``module`` is the framework's embedding layer."""
 
     @staticmethod
     def embedding_weight_name(module):
@@ -175,33 +310,60 @@ class Platform:
         """(dotted name, module) pairs, the module itself first as ""."""
         return module.named_modules()
 
+    @abc.abstractmethod
+    def named_parameters(self, module, recurse=False):
+        """(name, parameter) pairs; a parallelized one as its DTensor."""
+
+    @abc.abstractmethod
+    def set_parameter(self, module, name, value):
+        """Make ``module.<name>`` the DTensor ``value`` (a parameter of the framework's optimizers)."""
+
     @staticmethod
     def named_buffers(module, recurse=False):
         """(name, buffer) pairs of ``module`` (frameworks without buffers: none)."""
         return []
 
+    def set_buffer(self, module, name, value):
+        """Replace buffer ``name`` of ``module`` by ``value``."""
+        raise _unavailable("set_buffer (module buffers)", self)
+
+    # ---------------------------------------------------------------- attention kernels
+    @abc.abstractmethod
+    def sdpa(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        """Scaled dot-product attention on (..., heads, seq, dim) tensors."""
+
+    @abc.abstractmethod
+    def attention_block_forward(self, q, k, v, causal=False, scale=None, mask=None):
+        """(out, float32 log-sum-exp) of attention over one key block (batch, heads, seq, dim);
+        ``mask``: optional boolean (batch, 1, q seq, k seq), True where attention is allowed."""
+
+    @abc.abstractmethod
+    def attention_block_backward(self, grad_out, q, k, v, out, lse, causal=False, scale=None, mask=None):
+        """(dq, dk, dv) of one key block, given the final output and log-sum-exp of the row."""
+
+    # ---------------------------------------------------------------- dispatch hooks
+    # Core's dispatchers ask these about an op; the defaults are those of a framework whose ops
+    # reach a DTensor at one level only (MindSpore: PyNative ops return new tensors, never views).
     @staticmethod
-    def set_buffer(module, name, value):
-        raise NotImplementedError
+    def op_display_name(func):
+        """The op's name in messages and rule lookups."""
+        return getattr(func, "__name__", None) or str(func)
 
     @staticmethod
-    def create_tensor(kind, shape, dtype=None, device=None, fill_value=None):
-        """The factory ``kind`` (zeros / ones / empty / full / rand / randn) on ``shape``."""
-        raise NotImplementedError(f"hyper_parallel's DTensor factories ({kind}) are not available on this "
-                                  f"platform yet")
+    def aten_kind(func):
+        """How the level below autograd treats ``func`` (torch's aten_kinds.py), None: no such level."""
+        return None
 
-    # ---------------------------------------------------------------- device, dtype, memory
-    @property
-    def device_type(self):
-        raise NotImplementedError
+    @staticmethod
+    def foreach_to_single(func, args=None, kwargs=None):
+        """A multi-tensor op as its per-position single-tensor calls, or None."""
+        return None
 
-    @property
-    def default_backend(self):
-        raise NotImplementedError
+    @staticmethod
+    def op_returns_nothing(func):
+        """Whether an op below autograd returns nothing (in-place foreach ops)."""
+        return False
 
-    # ---------------------------------------------------------------- the level below autograd
-    # Core's aten-level dispatch (writes through views, in-place ops) asks these; a framework
-    # without such a level (MindSpore: PyNative ops return new tensors, never views) keeps them.
     @staticmethod
     def written_arguments(func):
         """(position, name) of every argument an op below autograd writes into."""
@@ -217,9 +379,11 @@ class Platform:
         """Whether two tensors are views of one storage."""
         return False
 
-    # ---------------------------------------------------------------- tensor helpers for core
     @staticmethod
-    def local_sum(tensor, dim=None, keepdim=False):
-        """``tensor.sum(dim=dim, keepdim=keepdim)`` of a local piece; an empty piece gives zeros
-        (zero gradient)."""
-        raise NotImplementedError
+    def materialize(tensor):
+        """A tensor with any lazy bits (torch's conjugate / negative views) applied."""
+        return tensor
+
+    def apply_to_wrapper(self, func, wrapper, args, kwargs):
+        """Run a metadata-only in-place op on a DTensor's wrapper itself (its global shape)."""
+        raise _unavailable("in-place shape ops on a DTensor's wrapper", self)

@@ -17,21 +17,20 @@ from hyper_parallel.core.dtensor.spec import DTensorSpec
 from hyper_parallel.core.dtensor.tree import tree_flatten, tree_unflatten
 from hyper_parallel.platform import get_platform
 
-_platform = get_platform()
-
 
 def _op_name(func):
     return getattr(getattr(func, "overloadpacket", func), "__name__", str(func))
 
 
 def _is_inplace(func):
-    return any(position == 0 for position, _ in _platform.written_arguments(func))
+    return any(position == 0 for position, _ in get_platform().written_arguments(func))
 
 
 def _written(func, args, kwargs):
     """(position, keyword) of every argument the op writes into: self for in-place ops, and the
     others too (batch_norm's running stats, rrelu's noise, ``out=``)."""
-    return [(i, None) if i < len(args) else (None, name) for i, name in _platform.written_arguments(func)]
+    written = get_platform().written_arguments(func)
+    return [(i, None) if i < len(args) else (None, name) for i, name in written]
 
 
 def _mutates_others(func, args, kwargs):
@@ -52,7 +51,7 @@ def _write_full_values(func, args, kwargs, local_args, local_kwargs):
 def _as_spec(x, mesh):
     if isinstance(x, DTensor):
         return x._spec
-    if _platform.is_tensor(x) and x.ndim > 0:
+    if get_platform().is_tensor(x) and x.ndim > 0:
         return DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tuple(x.shape))
     return None
 
@@ -66,7 +65,7 @@ def _wrap_outputs(result, mesh, placements_for, shape_for, relayout=None):
     leaves, structure = tree_flatten(result)
     out = []
     for i, leaf in enumerate(leaves):
-        if _platform.is_tensor(leaf) and not isinstance(leaf, DTensor):
+        if get_platform().is_tensor(leaf) and not isinstance(leaf, DTensor):
             leaf = DTensor._make(leaf, DTensorSpec(mesh, placements_for(i), shape_for(i, leaf)))
             if relayout is not None:
                 leaf = relayout(leaf)
@@ -80,7 +79,7 @@ def _alias(func, args, kwargs):
     src = args[0]
     dtype = kwargs.get("dtype")
     spec = src._spec
-    truncates = dtype is not None and not _platform.is_floating_dtype(dtype)
+    truncates = dtype is not None and not get_platform().is_floating_dtype(dtype)
     if truncates and any(p.is_partial() for p in spec.placements):
         spec = spec.with_placements(grad_placements(spec.placements))
         src = as_layout(src, spec)
@@ -134,7 +133,8 @@ def _pointwise(func, args, kwargs):
     specs = [_as_spec(x, mesh) for x in leaves]
     dt_specs = [s for s in specs if s is not None]
     inplace = _is_inplace(func)
-    out_shape = tuple(args[0].shape) if inplace else _platform.broadcast_shapes(*[s.shape for s in dt_specs])
+    out_shape = tuple(args[0].shape) if inplace else \
+        get_platform().broadcast_shapes(*[s.shape for s in dt_specs])
     operands = [_as_spec(a, mesh) for a in args if not isinstance(a, (str, type(None)))]
     name = linearity_name(_op_name(func), kwargs)
     targets, out = elementwise_strategy(name, dt_specs, operands, out_shape, mesh.ndim)
@@ -169,7 +169,7 @@ def _fallback(func, args, kwargs):
     mesh = common_mesh(leaves, _op_name(func))
     screen(_op_name(func), leaves)  # an op no interceptor can pass or take over: refused
     report_missing_rule(str(getattr(func, "__name__", func)))
-    if _platform.is_grad_enabled():
+    if get_platform().is_grad_enabled():
         for leaf in leaves:  # a leaf's gradient keeps the leaf's placements, via this path too
             if isinstance(leaf, DTensor):
                 ensure_leaf_grad_layout(leaf)
@@ -231,7 +231,7 @@ def _view(func, args, kwargs):
         local = func(moved._local_tensor, *args[1:])
         result = DTensor._make(local, DTensorSpec(spec.mesh, placements, shape))
         if moved is base and not writeback.is_marked(base):  # a true view of the shard
-            return _platform.alias_view_wrappers(func, args, kwargs, result)
+            return get_platform().alias_view_wrappers(func, args, kwargs, result)
     else:
         result = _fallback(func, args, kwargs)
     rest = args[1:]
@@ -240,7 +240,7 @@ def _view(func, args, kwargs):
         if isinstance(out, DTensor):
             region = (lambda full, i=i: tree_flatten(func(full, *rest, **kwargs))[0][i])
             writeback.mark(out, base, region, autograd_view=True)
-    return _platform.alias_view_wrappers(func, args, kwargs, result)
+    return get_platform().alias_view_wrappers(func, args, kwargs, result)
 
 
 def _index_backward(func, args, kwargs):
@@ -296,7 +296,7 @@ def _lazy_bit(func, args, kwargs):
     """_conj / _neg_view only set a bit on the tensor; a DTensor's wrapper cannot carry it for its
     shard, so the shard's values are conjugated (negated) instead: the same values, no bit."""
     src = args[0]
-    return DTensor._make(_platform.materialize(func(src._local_tensor, *args[1:], **kwargs)), src._spec)
+    return DTensor._make(get_platform().materialize(func(src._local_tensor, *args[1:], **kwargs)), src._spec)
 
 
 def _reshape_in_place(func, args, kwargs):
@@ -309,7 +309,7 @@ _HANDLERS = {"alias": _alias, "like": _like, "new_like": _new_like, "fill": _fil
 
 
 def dispatch_aten(func, args, kwargs):
-    kind = _platform.aten_kind(func)
+    kind = get_platform().aten_kind(func)
     if kind in ("pointwise", "fill") and _mutates_others(func, args, kwargs):
         kind = None  # out= variants and the like: the fallback writes every written argument
     written = [t for t in _written_dtensors(func, args, kwargs)]

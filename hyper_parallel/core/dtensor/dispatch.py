@@ -25,8 +25,6 @@ from hyper_parallel.core.dtensor.spec import DTensorSpec
 from hyper_parallel.core.dtensor.tree import tree_flatten, tree_unflatten
 from hyper_parallel.platform import get_platform
 
-_platform = get_platform()
-
 
 def common_mesh(leaves, op_name):
     mesh = None
@@ -42,7 +40,7 @@ def common_mesh(leaves, op_name):
 
 def promote_plain(leaf, mesh):
     """A plain tensor beside DTensors is taken as replicated (0-dim ones stay scalars)."""
-    if _platform.is_tensor(leaf) and not isinstance(leaf, DTensor) and leaf.ndim > 0:
+    if get_platform().is_tensor(leaf) and not isinstance(leaf, DTensor) and leaf.ndim > 0:
         spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tuple(leaf.shape))
         return _from_local(leaf, spec)
     return leaf
@@ -79,7 +77,7 @@ def _meta_key(func, leaves, structure):
     for leaf in leaves:
         if isinstance(leaf, DTensor):
             key.append(("D", leaf._spec.shape, leaf.dtype))
-        elif _platform.is_tensor(leaf):
+        elif get_platform().is_tensor(leaf):
             key.append(("T", tuple(leaf.shape), leaf.dtype))
         else:
             try:
@@ -99,15 +97,15 @@ def meta_outputs(func, args, kwargs):
     if shapes is None:
         def to_meta(x):
             if isinstance(x, DTensor):
-                return _platform.meta_tensor(x._spec.shape, x.dtype)
-            if _platform.is_tensor(x):
-                return _platform.to_meta(x)
+                return get_platform().meta_tensor(x._spec.shape, x.dtype)
+            if get_platform().is_tensor(x):
+                return get_platform().to_meta(x)
             return x
         meta_args, meta_kwargs = tree_unflatten([to_meta(x) for x in leaves], structure)
-        with _platform.no_grad():
+        with get_platform().no_grad():
             result = func(*meta_args, **meta_kwargs)
         outs, _ = tree_flatten(result)
-        shapes = [tuple(o.shape) for o in outs if _platform.is_tensor(o)]
+        shapes = [tuple(o.shape) for o in outs if get_platform().is_tensor(o)]
         if len(_META_CACHE) > 65536:
             _META_CACHE.clear()
         _META_CACHE[key] = shapes
@@ -188,7 +186,7 @@ def _decide(call, rule, interceptor, leaves, structure):
     key = None
     if interceptor is None and is_cacheable(call.name):
         key = decision_cache.signature(call.name, call.func, call.mesh, leaves, structure,
-                                       _platform.is_tensor, DTensor)
+                                       get_platform().is_tensor, DTensor)
         found = decision_cache.lookup(key)
         if found is not None:
             call.set_out_shapes(found[1])
@@ -225,7 +223,7 @@ def _run_on_shards(call, strategy, leaves, structure, targets, out_placements, t
     out_leaves, out_structure = tree_flatten(result)
     wrapped, k = [], 0
     for out in out_leaves:
-        if _platform.is_tensor(out):
+        if get_platform().is_tensor(out):
             spec = DTensorSpec(mesh, tuple(out_placements[k]), call.out_shapes[k])
             out = _from_local(out, spec, passthrough)
             k += 1
@@ -245,7 +243,8 @@ def _tracked(leaves):
     gradient. Indexing (``x[:, 1] += 1``, ``v = x[2:]; v.mul_(3)``) and views that move data are
     therefore left to the aten level, where autograd records them as views; the remaining views of
     tracked inputs are marked, and a write through them raises (writeback.check_writable)."""
-    return _platform.is_grad_enabled() and any(isinstance(x, DTensor) and x.requires_grad for x in leaves)
+    return get_platform().is_grad_enabled() and \
+        any(isinstance(x, DTensor) and x.requires_grad for x in leaves)
 
 
 def _moves(leaves, targets):
@@ -258,5 +257,5 @@ def _mark_views(outputs, base, func, args, kwargs, autograd_view):
     index = [i for i, out in enumerate(outputs) if isinstance(out, DTensor)]
     for k, i in enumerate(index):
         region = (lambda full, k=k: [o for o in tree_flatten(func(full, *rest, **kwargs))[0]
-                                     if _platform.is_tensor(o)][k])
+                                     if get_platform().is_tensor(o)][k])
         writeback.mark(outputs[i], base, region, autograd_view)

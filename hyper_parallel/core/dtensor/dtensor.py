@@ -11,10 +11,8 @@ from hyper_parallel.core.dtensor.redistribute import redistribute_local
 from hyper_parallel.core.dtensor.spec import DTensorSpec
 from hyper_parallel.platform import get_platform
 
-_platform = get_platform()
 
-
-class DTensor(_platform.DTensorBase):
+class DTensor(get_platform().DTensorBase):
 
     @classmethod
     def _make(cls, local_tensor, spec, requires_grad=False):
@@ -49,6 +47,21 @@ class DTensor(_platform.DTensorBase):
         from hyper_parallel.core.dtensor.checkpoint import rebuild
         return rebuild(local, mesh_desc, placements, shape, requires_grad)
 
+    # gradient-layout hooks: MindSpore's autograd bridge carries gradients as local tensors
+    def _hp_grad_spec(self):
+        """The layout of this DTensor's gradient: its placements, a Partial one replicated."""
+        return self._spec.with_placements(grad_placements(self._spec.placements))
+
+    @staticmethod
+    def _hp_as_layout(value, spec):
+        return as_layout(value, spec)
+
+    @classmethod
+    def _hp_replicated(cls, name, op, args, kwargs):
+        """An op without a rule at the function level, run on replicated values (fallback.py)."""
+        from hyper_parallel.core.dtensor.fallback import run_replicated
+        return run_replicated(name, op, args, kwargs)
+
     @classmethod
     def _hp_fused(cls, func, args, kwargs):
         from hyper_parallel.core.dtensor.foreach import run_fused
@@ -78,7 +91,7 @@ class DTensor(_platform.DTensorBase):
         if device_mesh.get_coordinate() is None:
             # as PyTorch: a rank outside the mesh holds an empty piece and joins no collective
             return DTensor._make(_empty_like(local_tensor), spec,
-                                 requires_grad=bool(getattr(local_tensor, "requires_grad", False)))
+                                 requires_grad=bool(get_platform().requires_grad(local_tensor)))
         if run_check:
             _check_local_shapes(local_tensor, spec)
         grad_spec = None if grad_placements is None else spec.with_placements(
@@ -193,26 +206,27 @@ def _redistribute_backward(ctx, grad):
     return as_layout(grad, ctx.src.with_placements(grad_placements(ctx.src.placements))), None
 
 
-_from_local_fn = _platform.make_autograd_function("FromLocal", _from_local_forward, _from_local_backward)
-_to_local_fn = _platform.make_autograd_function("ToLocal", _to_local_forward, _to_local_backward)
-_redistribute_fn = _platform.make_autograd_function("Redistribute", _redistribute_forward,
-                                                    _redistribute_backward)
+_from_local_fn = get_platform().make_autograd_function("FromLocal", _from_local_forward,
+                                                       _from_local_backward)
+_to_local_fn = get_platform().make_autograd_function("ToLocal", _to_local_forward, _to_local_backward)
+_redistribute_fn = get_platform().make_autograd_function("Redistribute", _redistribute_forward,
+                                                         _redistribute_backward)
 
 
 def _from_local(local, spec, passthrough=None, grad_spec=None):
-    if _platform.is_grad_enabled() and getattr(local, "requires_grad", True):  # MindSpore tensors have no flag
+    if get_platform().is_grad_enabled() and get_platform().requires_grad(local):
         return _from_local_fn(local, spec, passthrough, grad_spec)
     return DTensor._make(local, spec)
 
 
 def _to_local(dtensor, grad_spec, passthrough=None):
-    if _platform.is_grad_enabled() and dtensor.requires_grad:
+    if get_platform().is_grad_enabled() and dtensor.requires_grad:
         return _to_local_fn(dtensor, grad_spec, passthrough)
     return dtensor._local_tensor
 
 
 def _redistribute(dtensor, placements):
-    if _platform.is_grad_enabled() and dtensor.requires_grad:
+    if get_platform().is_grad_enabled() and dtensor.requires_grad:
         return _redistribute_fn(dtensor, placements)
     return _redistribute_forward(_NoCtx(), dtensor, placements)
 
@@ -234,7 +248,7 @@ def as_layout(value, spec):
 
 
 def _empty_like(local):
-    return _platform.empty((0,), dtype=local.dtype, device=getattr(local, "device", None))
+    return get_platform().empty((0,), dtype=local.dtype, device=getattr(local, "device", None))
 
 
 def _check_local_shapes(local_tensor, spec):

@@ -36,3 +36,27 @@ def report_missing_rule(op_name):
         warnings.warn(f"hyper_parallel: no sharding rule for {op_name}; its DTensor inputs are "
                       f"replicated (all-gathered) and it runs on full tensors. Register a rule to "
                       f"avoid the extra communication.", stacklevel=3)
+
+
+def run_replicated(name, op, args, kwargs):
+    """No rule (a framework whose ops reach a DTensor at the function level only: MindSpore): every
+    DTensor input is gathered (differentiably), the op runs on the full values, and tensor outputs
+    become Replicate DTensors."""
+    from hyper_parallel.core.dtensor.dtensor import DTensor
+    from hyper_parallel.core.dtensor.placement_types import Replicate
+    from hyper_parallel.core.dtensor.tree import tree_flatten, tree_unflatten
+    from hyper_parallel.platform import get_platform
+    leaves, structure = tree_flatten((args, kwargs))
+    dtensors = [x for x in leaves if isinstance(x, DTensor)]
+    mesh = dtensors[0].device_mesh
+    for d in dtensors[1:]:
+        if d.device_mesh != mesh:
+            raise ValueError(f"{name}: DTensor inputs live on different meshes ({mesh} and {d.device_mesh})")
+    report_missing_rule(name)
+    full = [x.full_tensor() if isinstance(x, DTensor) else x for x in leaves]
+    full_args, full_kwargs = tree_unflatten(full, structure)
+    out_leaves, out_structure = tree_flatten(op(*full_args, **full_kwargs))
+    replicate = [Replicate()] * mesh.ndim
+    is_tensor = get_platform().is_tensor
+    wrapped = [DTensor.from_local(o, mesh, replicate) if is_tensor(o) else o for o in out_leaves]
+    return tree_unflatten(wrapped, out_structure)

@@ -12,17 +12,15 @@ from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.core.dtensor.spec import DTensorSpec
 from hyper_parallel.platform import get_platform
 
-_platform = get_platform()
-
 
 def _returns_nothing(func):
-    return not func._schema.returns
+    return get_platform().op_returns_nothing(func)
 
 
 def run_foreach(func, args, kwargs, dispatch, fallback):
     """``dispatch(op, args, kwargs)`` runs one single-tensor aten op on DTensors; ``fallback`` runs
     the whole foreach op on replicated values (for the few without a single-tensor form)."""
-    calls = _platform.foreach_to_single(func, args, kwargs)
+    calls = get_platform().foreach_to_single(func, args, kwargs)
     if calls is None:
         result = fallback(func, args, kwargs)
         return None if _returns_nothing(func) else result
@@ -69,11 +67,11 @@ def sharded_norm(op, args, kwargs):
             continue
         group = spec.mesh.get_group(m)
         if math.isinf(ord_):
-            local = _platform.all_reduce(local, group, op="max" if ord_ > 0 else "min")
+            local = get_platform().all_reduce(local, group, op="max" if ord_ > 0 else "min")
         elif ord_ == 0:
-            local = _platform.all_reduce(local, group)
+            local = get_platform().all_reduce(local, group)
         else:
-            local = _platform.all_reduce(local ** ord_, group) ** (1.0 / ord_)
+            local = get_platform().all_reduce(local ** ord_, group) ** (1.0 / ord_)
     replicated = DTensorSpec(spec.mesh, (Replicate(),) * spec.mesh.ndim, ())
     return DTensor._make(local, replicated)
 

@@ -1,7 +1,8 @@
-"""Custom backward on MindSpore: collectives as autograd functions, and core's
-``make_autograd_function`` (from_local / to_local / redistribute, ring attention...).
+"""Custom backward on MindSpore: ``make_autograd_function`` (core's from_local / to_local /
+redistribute, ring attention..., and the differentiable collectives of
+``platform/differentiable_collectives.py``).
 
-Both are built on MindSpore's PyNative custom-backward ``Function``
+It is built on MindSpore's PyNative custom-backward ``Function``
 (``mindspore.common._grad_function._Function``: ``forward(ctx, *args)`` runs without recording,
 ``backward(ctx, *grads)`` returns one gradient per input).
 
@@ -47,16 +48,6 @@ def _is_dtensor(x):
     return isinstance(x, MindSporeDTensorBase)
 
 
-def _canonical(spec):
-    from hyper_parallel.core.dtensor.layout import grad_placements
-    return spec.with_placements(grad_placements(spec.placements))
-
-
-def _as_layout(value, spec):
-    from hyper_parallel.core.dtensor.dtensor import as_layout
-    return as_layout(value, spec)
-
-
 def _grad_for_input(dtensor, grad):
     """The local gradient to hand to MindSpore for DTensor input ``dtensor`` (see module doc)."""
     if grad is None:
@@ -65,10 +56,10 @@ def _grad_for_input(dtensor, grad):
     if _is_dtensor(grad) and slot is not None and slot.consumers == 1:
         slot.grad_spec = grad._spec
         return grad._local_tensor
-    target = _canonical(dtensor._spec)
+    target = dtensor._hp_grad_spec()
     if _is_dtensor(grad) and grad._spec == target:
         return grad._local_tensor
-    return _as_layout(grad, target)._local_tensor
+    return type(dtensor)._hp_as_layout(grad, target)._local_tensor
 
 
 def _wrap_grad(proto, grad):
@@ -76,7 +67,7 @@ def _wrap_grad(proto, grad):
     if grad is None:
         return None
     slot = proto._hp_gslot
-    spec = slot.grad_spec if (slot.consumers == 1 and slot.grad_spec is not None) else _canonical(proto._spec)
+    spec = slot.grad_spec if (slot.consumers == 1 and slot.grad_spec is not None) else proto._hp_grad_spec()
     return type(proto)._make(grad, spec)
 
 
@@ -165,103 +156,3 @@ def make_autograd_function(name, forward, backward):
 
     apply.__name__ = name
     return apply
-
-
-# =============================================================================== collectives
-class _AllGather(_Function):
-    @staticmethod
-    def forward(ctx, tensor, comm, group, dim):
-        ctx.comm, ctx.group, ctx.dim = comm, group, dim
-        return comm.all_gather(tensor, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.reduce_scatter(grad.contiguous(), ctx.group, ctx.dim, "sum"), None, None, None
-
-
-class _ReduceScatter(_Function):
-    @staticmethod
-    def forward(ctx, tensor, comm, group, dim):
-        ctx.comm, ctx.group, ctx.dim = comm, group, dim
-        return comm.reduce_scatter(tensor, group, dim, "sum")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.all_gather(grad.contiguous(), ctx.group, ctx.dim), None, None, None
-
-
-class _AllToAll(_Function):
-    @staticmethod
-    def forward(ctx, tensor, comm, group, split_dim, concat_dim):
-        ctx.comm, ctx.group, ctx.split_dim, ctx.concat_dim = comm, group, split_dim, concat_dim
-        return comm.all_to_all_single(tensor, group, split_dim, concat_dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # the inverse all-to-all: split where forward concatenated, concatenate where it split
-        out = ctx.comm.all_to_all_single(grad.contiguous(), ctx.group, ctx.concat_dim, ctx.split_dim)
-        return out, None, None, None, None
-
-
-class _AllReduce(_Function):
-    """``backward="sum"``: the gradient of the sum of every rank's loss. ``backward="identity"``:
-    downstream is replicated, every rank already holds the whole gradient."""
-
-    @staticmethod
-    def forward(ctx, tensor, comm, group, op, mode):
-        out = comm.all_reduce(tensor, group, op)
-        ctx.comm, ctx.group, ctx.op, ctx.mode = comm, group, op, mode
-        ctx.share = None
-        if op in ("max", "min"):
-            # the gradient goes to the elements that won, split evenly over ties across ranks
-            winners = (tensor == out).astype(tensor.dtype)
-            count = comm.all_reduce(winners, group, "sum")
-            ctx.share = winners / count.clamp(min=1)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        if ctx.mode == "sum":
-            grad = ctx.comm.all_reduce(grad, ctx.group, "sum")
-        if ctx.op == "avg":
-            grad = grad / len(ctx.comm.resolve(ctx.group))
-        elif ctx.share is not None:
-            grad = grad * ctx.share
-        return grad, None, None, None, None
-
-
-class _P2PExchange(_Function):
-    """Send ``tensor`` to ``send_to``, receive a same-shaped one from ``recv_from``; the backward
-    is the reverse exchange."""
-
-    @staticmethod
-    def forward(ctx, tensor, comm, send_to, recv_from, group):
-        ctx.comm, ctx.send_to, ctx.recv_from, ctx.group = comm, send_to, recv_from, group
-        (out,) = comm.p2p_exchange([(tensor, send_to)], [(tensor, recv_from)], group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        (out,) = ctx.comm.p2p_exchange([(grad.contiguous(), ctx.recv_from)], [(grad, ctx.send_to)], ctx.group)
-        return out, None, None, None, None
-
-
-def all_gather(comm, tensor, group, dim=0):
-    return _AllGather.apply(tensor, comm, group, dim)
-
-
-def reduce_scatter(comm, tensor, group, dim=0):
-    return _ReduceScatter.apply(tensor, comm, group, dim)
-
-
-def all_to_all(comm, tensor, group, split_dim, concat_dim):
-    return _AllToAll.apply(tensor, comm, group, split_dim, concat_dim)
-
-
-def all_reduce(comm, tensor, group, op="sum", backward="sum"):
-    return _AllReduce.apply(tensor, comm, group, op, backward)
-
-
-def p2p_exchange(comm, tensor, send_to, recv_from, group=None):
-    return _P2PExchange.apply(tensor, comm, send_to, recv_from, group)

@@ -45,7 +45,9 @@ def _is_inplace(name):
 
 
 class MindSporeDTensorBase(ms.Tensor):
-    """Subclassed by ``hyper_parallel.core.dtensor.DTensor`` (which provides ``_hp_function``)."""
+    """Subclassed by core's ``DTensor`` (core/dtensor/dtensor.py), which provides the hooks this class and
+    autograd.py call (``_hp_function``, ``_hp_replicated``, ``_hp_grad_spec``, ``_hp_as_layout``,
+    ``_make``): the platform never imports core."""
 
     # core's ensure_leaf_grad_layout registers a gradient hook on leaf DTensors; on MindSpore the
     # leaf's consumers bring its gradient to its layout instead (autograd.py)
@@ -293,34 +295,15 @@ def _zero_grad(compute, *tensors):
 
 def _like(func, legacy, name, args, kwargs):
     """zeros_like / ones_like...: the same layout (a Partial source gives a replicated result)."""
-    from hyper_parallel.core.dtensor.layout import grad_placements
     src = args[0]
     local_args = (src._local_tensor,) + tuple(args[1:])
     local = func(legacy, name, local_args) if legacy is not None else func(*local_args, **kwargs)
-    spec = src._spec.with_placements(grad_placements(src._spec.placements))
-    return type(src)._make(local, spec)
+    return type(src)._make(local, src._hp_grad_spec())
 
 
 def _replicated(cls, name, op, args, kwargs):
-    """No rule: every DTensor input is gathered (differentiably), the op runs on the full values,
-    and tensor outputs become Replicate DTensors."""
-    from hyper_parallel.core.dtensor.fallback import report_missing_rule
-    from hyper_parallel.core.dtensor.placement_types import Replicate
-    from hyper_parallel.core.dtensor.tree import tree_flatten, tree_unflatten
-    leaves, structure = tree_flatten((args, kwargs))
-    dtensors = [x for x in leaves if isinstance(x, MindSporeDTensorBase)]
-    mesh = dtensors[0].device_mesh
-    for d in dtensors[1:]:
-        if d.device_mesh != mesh:
-            raise ValueError(f"{name}: DTensor inputs live on different meshes ({mesh} and {d.device_mesh})")
-    report_missing_rule(f"{name} (MindSpore)")
-    full = [x.full_tensor() if isinstance(x, MindSporeDTensorBase) else x for x in leaves]
-    full_args, full_kwargs = tree_unflatten(full, structure)
-    result = op(*full_args, **full_kwargs)
-    out_leaves, out_structure = tree_flatten(result)
-    replicate = [Replicate()] * mesh.ndim
-    wrapped = [cls.from_local(o, mesh, replicate) if isinstance(o, ms.Tensor) else o for o in out_leaves]
-    return tree_unflatten(wrapped, out_structure)
+    """No rule: core's replicated fallback (inputs gathered differentiably, Replicate outputs)."""
+    return cls._hp_replicated(f"{name} (MindSpore)", op, args, kwargs)
 
 
 # ============================================================================== parameters

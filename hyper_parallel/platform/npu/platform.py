@@ -6,7 +6,7 @@ What differs: the device module (``torch.npu``: set_device, synchronize, memory 
 streams and events), the default backend, and the attention kernel
 ``torch_npu.npu_fusion_attention``, whose calls on DTensors are routed to core's
 ``npu_fusion_attention`` sharding rule (see ``op_names.py`` and
-``hyper_parallel/core/dtensor/ops/npu_attention.py``).
+``core/dtensor/ops/npu_attention*.py``).
 """
 import torch
 

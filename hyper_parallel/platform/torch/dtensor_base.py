@@ -33,7 +33,7 @@ def _contiguous_strides(shape):
 
 
 class TorchDTensorBase(torch.Tensor):
-    """Subclassed by ``hyper_parallel.core.dtensor.DTensor``, which provides the hooks this class
+    """Subclassed by core's ``DTensor`` (core/dtensor/dtensor.py), which provides the hooks this class
     calls (``_hp_function``, ``_hp_aten``, ``_hp_fused``, ``_hp_describe``, ``_hp_checkpoint_box``,
     ``_hp_rebuild``): the platform never imports core."""
 

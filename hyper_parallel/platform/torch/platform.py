@@ -1,5 +1,4 @@
 """PyTorch platform: CPU (gloo) or CUDA (nccl)."""
-import contextlib
 import datetime
 import os
 import resource
@@ -12,7 +11,6 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from hyper_parallel.platform.base import Platform
 from hyper_parallel.platform.torch import attention_kernels
-from hyper_parallel.platform.torch import autograd_collectives as ag
 from hyper_parallel.platform.torch import factories as tensor_factories
 from hyper_parallel.platform.torch.aten_kinds import aten_kind, foreach_to_single, written_arguments
 from hyper_parallel.platform.torch.collectives import Collectives
@@ -59,10 +57,6 @@ class TorchPlatform(Platform):
     def synchronize(self):
         if self.device_type != "cpu":
             self._device_module().synchronize()
-
-    def reset_peak_memory(self):
-        if self.device_type != "cpu":
-            self._device_module().reset_peak_memory_stats()
 
     def track_peak_memory(self):
         """Context manager measuring the peak bytes allocated inside it (``.peak_bytes``)."""
@@ -160,44 +154,6 @@ class TorchPlatform(Platform):
         self._group_ranks.clear()
         self._group_timeouts.clear()
 
-    # ---------------------------------------------------------------- raw collectives
-    def all_gather(self, tensor, group, dim=0, async_op=False):
-        return self._comm.all_gather(tensor, group, dim, async_op)
-
-    def all_to_all_single(self, tensor, group, split_dim=0, concat_dim=0, async_op=False):
-        return self._comm.all_to_all_single(tensor, group, split_dim, concat_dim, async_op)
-
-    def all_to_all(self, tensors, group, out_shapes=None, async_op=False):
-        return self._comm.all_to_all(tensors, group, out_shapes, async_op)
-
-    def reduce_scatter(self, tensor, group, dim=0, op="sum", async_op=False):
-        return self._comm.reduce_scatter(tensor, group, dim, op, async_op)
-
-    def all_reduce(self, tensor, group, op="sum", async_op=False, tag=None):
-        return self._comm.all_reduce(tensor, group, op, async_op, tag)
-
-    def broadcast(self, tensor, src, group, async_op=False):
-        return self._comm.broadcast(tensor, src, group, async_op)
-
-    def p2p_exchange(self, sends, recvs, group=None, async_op=False):
-        return self._comm.p2p_exchange(sends, recvs, group, async_op)
-
-    # ---------------------------------------------------------------- autograd-aware collectives
-    def differentiable_all_gather(self, tensor, group, dim=0):
-        return ag.all_gather(self._comm, tensor, group, dim)
-
-    def differentiable_reduce_scatter(self, tensor, group, dim=0):
-        return ag.reduce_scatter(self._comm, tensor, group, dim)
-
-    def differentiable_all_to_all(self, tensor, group, split_dim, concat_dim):
-        return ag.all_to_all(self._comm, tensor, group, split_dim, concat_dim)
-
-    def differentiable_all_reduce(self, tensor, group, op="sum", backward="sum"):
-        return ag.all_reduce(self._comm, tensor, group, op, backward)
-
-    def differentiable_p2p_exchange(self, tensor, send_to, recv_from, group=None):
-        return ag.p2p_exchange(self._comm, tensor, send_to, recv_from, group)
-
     # ---------------------------------------------------------------- autograd plumbing for core
     @staticmethod
     def make_autograd_function(name, forward, backward):
@@ -215,8 +171,17 @@ class TorchPlatform(Platform):
         return torch.is_grad_enabled()
 
     @staticmethod
+    def requires_grad(tensor):
+        return tensor.requires_grad
+
+    @staticmethod
     def aten_kind(func):
         return aten_kind(func)
+
+    @staticmethod
+    def op_returns_nothing(func):
+        """Whether an aten op's schema lists no returns (the in-place foreach ops)."""
+        return not func._schema.returns
 
     @staticmethod
     def foreach_to_single(func, args=None, kwargs=None):
@@ -226,10 +191,6 @@ class TorchPlatform(Platform):
     def written_arguments(func):
         """(position, name) of the arguments an aten op writes into."""
         return written_arguments(func)
-
-    @staticmethod
-    def op_display_name(func):
-        return getattr(func, "__name__", None) or str(func)
 
     @staticmethod
     def apply_to_wrapper(func, wrapper, args, kwargs):
@@ -390,7 +351,3 @@ class TorchPlatform(Platform):
     def attention_block_backward(grad_out, q, k, v, out, lse, causal=False, scale=None, mask=None):
         """(dq, dk, dv) of one key block, given the final output and log-sum-exp of the row."""
         return attention_kernels.block_backward(grad_out, q, k, v, out, lse, causal, scale, mask)
-
-    @contextlib.contextmanager
-    def default_device(self):
-        yield self.device()
