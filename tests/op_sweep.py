@@ -385,9 +385,14 @@ def _describe(layout):
 
 
 def select_ops(names=None, shard=None):
-    """OpInfos of op_db by full name, or every one; ``shard=(i, n)`` keeps every n-th from i."""
+    """OpInfos of op_db by full name, or every one; ``shard=(i, n)`` keeps every n-th from i.
+    ``HP_OP_SWEEP_ONLY=name1,name2`` (full names) narrows any run to those ops, e.g. to check the
+    rules of a few ops on several meshes without sweeping the whole database."""
+    import os
     from torch.testing._internal.common_methods_invocations import op_db
-    ops = [op for op in op_db if names is None or op.full_name in names]
+    only = {n.strip() for n in os.environ.get("HP_OP_SWEEP_ONLY", "").split(",") if n.strip()}
+    ops = [op for op in op_db
+           if (names is None or op.full_name in names) and (not only or op.full_name in only)]
     if shard is not None:
         i, n = shard
         ops = ops[i::n]

@@ -9,7 +9,11 @@ import torch.nn.functional as F
 
 _EXPLICIT = {
     "matmul": [torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm,
-               torch.bmm, torch.Tensor.bmm],
+               torch.bmm, torch.Tensor.bmm, torch.mv, torch.Tensor.mv],
+    "addmm": [torch.addmm, torch.Tensor.addmm],
+    "baddbmm": [torch.baddbmm, torch.Tensor.baddbmm],
+    "addmv": [torch.addmv, torch.Tensor.addmv],
+    "einsum": [torch.einsum],
     "rmatmul": [torch.Tensor.__rmatmul__],
     "linear": [F.linear],
     "view": [torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.flatten, torch.Tensor.flatten,
@@ -48,7 +52,25 @@ _EXPLICIT = {
     "dropout": [F.dropout, torch.dropout],
     "sdpa": [F.scaled_dot_product_attention],
     "cross_entropy": [F.cross_entropy],
+    "nll_loss": [F.nll_loss],
+    "mse_loss": [F.mse_loss],
+    "var": [torch.var, torch.Tensor.var],
+    "std": [torch.std, torch.Tensor.std],
+    "var_mean": [torch.var_mean],
+    "std_mean": [torch.std_mean],
+    "logsumexp": [torch.logsumexp, torch.Tensor.logsumexp, torch.special.logsumexp],
+    "vector_norm": [torch.linalg.vector_norm],
+    "index_select": [torch.index_select, torch.Tensor.index_select],
+    "gather": [torch.gather, torch.Tensor.gather],
+    "scatter": [torch.scatter, torch.Tensor.scatter, torch.scatter_add, torch.Tensor.scatter_add,
+                torch.scatter_reduce, torch.Tensor.scatter_reduce],
+    "new_factory": [torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_full,
+                    torch.Tensor.new_empty],
 }
+# ops along one dim that must be whole (ops/whole_dim.py): the rule name is the torch name
+for _name in ("argmax", "argmin", "median", "nanmedian", "mode", "kthvalue", "prod", "topk", "sort",
+              "argsort", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"):
+    _EXPLICIT[_name] = [getattr(torch, _name), getattr(torch.Tensor, _name)]
 
 _DUNDER_ELEMENTWISE = ["__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
                        "__rtruediv__", "__div__", "__pow__", "__rpow__", "__neg__", "__abs__", "__and__",

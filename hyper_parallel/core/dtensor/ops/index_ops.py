@@ -1,0 +1,131 @@
+"""index_select, gather and scatter / scatter_add / scatter_reduce along a dim ``d``.
+
+A shard of a dim the op does not index is kept whenever every tensor it touches has that dim
+with the same size (then their ``torch.chunk`` pieces line up element for element); the op then
+runs on the local pieces as it is. Per mesh dim, in order of preference:
+
+* index_select(x, d, index):
+  - x split on a dim e != d: kept (the index is replicated), the output split on e;
+  - x Partial(sum / avg): kept (selection is linear), the output Partial;
+  - the index split (1-D, its dim 0) and x replicated: the output split on d;
+  - otherwise everything replicated (x split on d is gathered).
+* gather(x, d, index) (output shaped as the index):
+  - x or the index split on a dim e != d where both have the same size: both split on e;
+  - the index split on d and x replicated: the output split on d (every row looks in all of x);
+  - x Partial(sum / avg), the index replicated: the output Partial;
+  - otherwise everything replicated.
+* scatter*(x, d, index, src or value): x, the index and src split on one dim e != d where all
+  three have the same size; otherwise replicated (a Partial input is reduced first).
+"""
+from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
+from hyper_parallel.core.dtensor.placement_types import Replicate
+
+_LINEAR = ("sum", "avg")
+
+
+def _args(call, third):
+    x, dim, index = call.arg(0, "input"), call.arg(1, "dim"), call.arg(2, "index")
+    other = call.arg(3, third) if third else None
+    spec = call.spec(x)
+    if spec is None or call.index(x) != 0 or not isinstance(dim, int) or isinstance(dim, bool):
+        return None
+    if spec.ndim == 0 or not hasattr(index, "ndim") or (call.spec(index) is None and index.ndim > 0):
+        return None
+    return x, dim % spec.ndim, index, other
+
+
+def _index_placements(call, index):
+    """The index's placements; a 0-dim plain index (never promoted to a DTensor) is replicated."""
+    spec = call.spec(index)
+    return spec.placements if spec is not None else (Replicate(),) * call.mesh_ndim
+
+
+def _strategy(call, tensors, per_dim, out):
+    inputs = [None] * len(call.specs)
+    for k, t in enumerate(tensors):
+        if call.index(t) is not None:
+            inputs[call.index(t)] = tuple(p[k] for p in per_dim)
+    return OpStrategy(inputs=inputs, outputs=tuple(out))
+
+
+@register_rule("index_select")
+def index_select_rule(call):
+    parsed = _args(call, None)
+    if parsed is None:
+        return None
+    x, d, index, _ = parsed
+    xs, index_1d = call.spec(x), index.ndim == 1
+    per_dim, out = [], []
+    for px, pj in zip(xs.placements, _index_placements(call, index)):
+        if px.is_shard() and px.dim != d:
+            per_dim.append((px, Replicate()))
+            out.append(px)
+        elif px.is_partial() and px.reduce_op in _LINEAR and not pj.is_partial():
+            per_dim.append((px, Replicate()))
+            out.append(px)
+        elif pj.is_shard(0) and index_1d:
+            per_dim.append((Replicate(), pj))
+            out.append(pj.with_dim(d))
+        else:
+            per_dim.append((Replicate(), Replicate()))
+            out.append(Replicate())
+    return _strategy(call, [x, index], per_dim, out)
+
+
+def _aligned(specs, p, d):
+    """Whether shard ``p`` (of a dim != d) may split every spec in ``specs`` alike."""
+    if not p.is_shard() or p.dim == d:
+        return False
+    return all(s.ndim > p.dim and s.shape[p.dim] == specs[0].shape[p.dim] for s in specs)
+
+
+@register_rule("gather")
+def gather_rule(call):
+    parsed = _args(call, None)
+    if parsed is None:
+        return None
+    x, d, index, _ = parsed
+    xs, js = call.spec(x), call.spec(index)
+    if js is None or js.ndim != xs.ndim:
+        return None
+    per_dim, out = [], []
+    for px, pj in zip(xs.placements, js.placements):
+        if _aligned([xs, js], px, d):
+            per_dim.append((px, px))
+            out.append(px)
+        elif _aligned([xs, js], pj, d) and not px.is_partial():
+            per_dim.append((pj, pj))
+            out.append(pj)
+        elif pj.is_shard(d) and not px.is_partial():
+            per_dim.append((Replicate(), pj))
+            out.append(pj)
+        elif px.is_partial() and px.reduce_op in _LINEAR and not pj.is_partial():
+            per_dim.append((px, Replicate()))
+            out.append(px)
+        else:
+            per_dim.append((Replicate(), Replicate()))
+            out.append(Replicate())
+    return _strategy(call, [x, index], per_dim, out)
+
+
+@register_rule("scatter")
+def scatter_rule(call):
+    third = "src" if call.arg(3, "src") is not None else "value"
+    parsed = _args(call, third)
+    if parsed is None:
+        return None
+    x, d, index, src = parsed
+    specs = [call.spec(t) for t in (x, index, src) if call.spec(t) is not None]
+    if any(s.ndim != specs[0].ndim for s in specs):
+        return None
+    per_dim, out = [], []
+    for m in range(call.mesh_ndim):
+        chosen = next((s.placements[m] for s in specs if _aligned(specs, s.placements[m], d)), None)
+        if chosen is None:
+            chosen = Replicate()
+        per_dim.append((chosen, chosen, chosen))
+        out.append(chosen)
+    return _strategy(call, [x, index, src], per_dim, out)
+
+
+__all__ = ["gather_rule", "index_select_rule", "scatter_rule"]

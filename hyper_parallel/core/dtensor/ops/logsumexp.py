@@ -1,0 +1,84 @@
+"""logsumexp(x, dim, keepdim=False).
+
+Shards of dims that are not reduced stay. A mesh dim splitting a reduced dim is combined exactly,
+as ring attention merges blocks:
+
+    m   = all_reduce_max(max_local x)        (a constant shift: no gradient; 0 where it is +-inf,
+                                              as torch's own kernel does)
+    s   = all_reduce_sum(sum_local exp(x - m))
+    out = log(s) + m
+
+The sum's all-reduce has an identity backward (the output is Replicate on that mesh dim, so every
+rank holds the whole gradient), after which the local gradient ``softmax(x)`` needs nothing more.
+A rank whose piece of a reduced dim is empty (uneven shards) has no local max: that mesh dim is
+gathered instead. A Partial input is reduced first.
+"""
+from hyper_parallel.core.dtensor.ops.reductions import _some_piece_empty, output_dim, reduced_dims
+from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
+from hyper_parallel.core.dtensor.placement_types import Replicate
+from hyper_parallel.platform import get_platform
+
+
+def split_reduction_layout(spec, reduced, keepdim):
+    """(inputs, outputs, mesh dims that split a reduced dim) for a non-linear reduction whose split
+    dims are combined inside the op; a split that leaves some rank an empty piece is gathered."""
+    inputs, outputs, mesh_dims = [], [], []
+    for m, p in enumerate(spec.placements):
+        if p.is_shard() and p.dim in reduced:
+            inputs.append(p)
+            outputs.append(Replicate())
+            mesh_dims.append(m)
+        elif p.is_shard():
+            inputs.append(p)
+            outputs.append(p.with_dim(output_dim(p.dim, reduced, keepdim)))
+        else:
+            inputs.append(Replicate())
+            outputs.append(Replicate())
+    if mesh_dims:
+        split = sorted({spec.placements[m].dim for m in mesh_dims})
+        if _some_piece_empty(spec, tuple(inputs), split):
+            for m in mesh_dims:
+                inputs[m] = Replicate()
+            mesh_dims = []
+    return tuple(inputs), tuple(outputs), mesh_dims
+
+
+@register_rule("logsumexp")
+def logsumexp_rule(call):
+    x = call.arg(0, "input")
+    spec = call.spec(x)
+    dim = call.arg(1, "dim")
+    if spec is None or call.index(x) != 0 or len(call.specs) != 1 or spec.ndim == 0:
+        return None
+    if not isinstance(dim, (int, list, tuple)) or isinstance(dim, bool):
+        return None
+    keepdim = bool(call.arg(2, "keepdim", False))
+    reduced = reduced_dims(dim, spec.ndim)
+    if len(call.out_shapes[0]) != (spec.ndim if keepdim else spec.ndim - len(reduced)):
+        return None
+    inputs, outputs, mesh_dims = split_reduction_layout(spec, reduced, keepdim)
+    local = _merged_local(call.mesh, mesh_dims, reduced, keepdim) if mesh_dims else None
+    return OpStrategy(inputs=[inputs], outputs=outputs, local=local)
+
+
+def _merged_local(mesh, mesh_dims, reduced, keepdim):
+    platform = get_platform()
+
+    def local(call, args, kwargs):
+        x = args[0]
+        shift = x.detach().amax(dim=reduced, keepdim=True)
+        for m in mesh_dims:
+            shift = platform.all_reduce(shift.contiguous(), mesh.get_group(m), "max")
+        shift = shift.masked_fill(shift.isinf(), 0)
+        s = platform.local_sum((x - shift).exp(), dim=reduced, keepdim=True)
+        for m in mesh_dims:
+            s = platform.differentiable_all_reduce(s.contiguous(), mesh.get_group(m), "sum",
+                                                   backward="identity")
+        out = s.log() + shift
+        if keepdim:
+            return out
+        return platform.local_sum(out, dim=reduced, keepdim=False)  # drops the size-1 reduced dims
+    return local
+
+
+__all__ = ["logsumexp_rule", "split_reduction_layout"]
