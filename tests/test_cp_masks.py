@@ -171,3 +171,43 @@ def test_mask_errors():
     attention code other than SDPA, and malformed arguments: ValueError on every rank."""
     seen = run_dist(2, _errors_case, timeout=300)
     assert seen[0] == seen[1] and len(seen[0]) == 7
+
+
+# ============================================================================ flex_attention
+def _flex_case(rank, world):
+    import torch
+    from torch import nn
+    from torch.nn.attention.flex_attention import flex_attention
+    from hyper_parallel import ContextParallel, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    compiled = torch.compile(flex_attention)
+
+    class Flex(nn.Module):
+        def __init__(self, fn):
+            super().__init__()
+            self.fn = fn
+
+        def forward(self, q, k, v):
+            return self.fn(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
+
+    seen = []
+    for fn_name, fn in (("eager", flex_attention), ("compiled", compiled)):
+        for mode in ("ulysses", "allgather", "ring"):
+            module = ContextParallel(seq_dim=1, head_dim=2, **MODES[mode]).apply(Flex(fn), mesh)
+            q = torch.randn(B, S // world, HQ, D)
+            try:
+                module(q, q, q)
+            except ValueError as exc:
+                assert "scaled_dot_product_attention" in str(exc), (fn_name, mode, exc)
+                seen.append((fn_name, mode))
+            else:
+                raise AssertionError(f"flex_attention ({fn_name}) under {mode}: no ValueError")
+    return seen
+
+
+def test_flex_attention_clear_error():
+    """FlexAttention (eager, and torch.compile'd as torchtitan uses it) under ContextParallel: a
+    ValueError naming the supported kernels instead of a TorchDynamo failure deep in tracing."""
+    seen = run_dist(2, _flex_case, timeout=600)
+    assert seen[0] == seen[1] and len(seen[0]) == 6

@@ -8,6 +8,7 @@ same sharding rules as ``F.scaled_dot_product_attention``.
 """
 import contextvars
 
+from hyper_parallel.core.context_parallel.kernels import call_module
 from hyper_parallel.core.context_parallel.mode import run_attention
 from hyper_parallel.core.tensor_parallel.style import ParallelStyle
 from hyper_parallel.platform import get_platform
@@ -112,6 +113,6 @@ class ContextParallel(ParallelStyle):
                     new_args[slot[1]] = value
                 else:
                     new_kwargs[slot[1]] = value
-            return original(*new_args, **new_kwargs)
+            return call_module(original, new_args, new_kwargs)   # flex_attention -> clear error
         return run_attention(self, cp_mesh, qkv, call)
 
