@@ -365,6 +365,11 @@ class Platform(TrainingLoopContract, abc.ABC):
         return False
 
     @staticmethod
+    def loss_parallel_unsupported():
+        """Why ``loss_parallel()``'s rules cannot reach this framework's cross-entropy, or None."""
+        return None
+
+    @staticmethod
     def written_arguments(func):
         """(position, name) of every argument an op below autograd writes into."""
         return ()

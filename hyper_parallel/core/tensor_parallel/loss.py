@@ -26,15 +26,9 @@ def loss_parallel():
             loss.backward()
     """
     from hyper_parallel.platform import get_platform
-    if get_platform().name == "mindspore":
-        # MindSpore's ops.cross_entropy is composed in Python of primitives (logsumexp, GatherD,
-        # masked_fill...), so no single op reaches the vocab-parallel rule; a context that changed
-        # nothing would let users believe the logits stay sharded
-        raise NotImplementedError(
-            "loss_parallel() is not available on MindSpore: ops.cross_entropy is composed of "
-            "primitives that never reach the vocab-parallel rule. ops.cross_entropy on "
-            "vocab-sharded DTensor logits outside the context is correct (its log-softmax stays "
-            "sharded; the label pick takes the replicated fallback, which gathers the log-probs)")
+    reason = get_platform().loss_parallel_unsupported()
+    if reason:  # a context that changed nothing would let users believe the logits stay sharded
+        raise NotImplementedError(f"loss_parallel() is not available here: {reason}")
     _loss_rules.enter_loss_parallel()
     try:
         yield

@@ -145,6 +145,16 @@ class MindSporePlatform(MindSporeTrainingSupport, Platform):  # training.py: fac
         return bool(_pynative_executor.requires_grad())
 
     @staticmethod
+    def loss_parallel_unsupported():
+        # ops.cross_entropy is composed in Python of primitives (logsumexp, GatherD, masked_fill...),
+        # so no single op reaches the vocab-parallel rule
+        return ("MindSpore's ops.cross_entropy is composed of primitives that never reach the "
+                "vocab-parallel rule. "
+                "ops.cross_entropy on vocab-sharded DTensor logits outside the context is correct (its "
+                "log-softmax stays sharded; the label pick takes the replicated fallback, which gathers "
+                "the log-probs)")
+
+    @staticmethod
     def requires_grad(tensor):
         # a MindSpore Tensor has no flag (ms.grad decides what is differentiated); a Parameter has one
         return getattr(tensor, "requires_grad", True)

@@ -10,7 +10,7 @@ streams and events), the default backend, and the attention kernel
 """
 import torch
 
-from hyper_parallel.platform.base import AsyncHandle
+from hyper_parallel.platform.handles import AsyncHandle
 from hyper_parallel.platform.npu.op_names import register_npu_op_names
 from hyper_parallel.platform.torch.platform import TorchPlatform
 

@@ -7,7 +7,7 @@ table in ``platform.py`` says which.
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.platform.base import AsyncHandle, CompletedHandle
+from hyper_parallel.platform.handles import AsyncHandle, CompletedHandle
 from hyper_parallel.platform.torch.dtype_widening import widening
 
 # torch renamed all_gather_into_tensor to all_gather_single; accept both (torch>=2.4).
