@@ -53,8 +53,8 @@ def parse_args(argv=None):
 
 
 # ------------------------------------------------------------------------------------------ model
-def build_model(args):
-    """The transformer with deterministic weights (the same on every rank and in --check)."""
+def _block_classes(args):
+    """(RMSNorm, Block): a pre-norm transformer block of causal attention and an MLP."""
     import mindspore as ms
     from mindspore import mint, nn, ops
     from hyper_parallel.platform.mindspore import scaled_dot_product_attention
@@ -97,6 +97,14 @@ def build_model(args):
         def construct(self, x):
             x = x + self.attn(self.norm1(x))
             return x + self.mlp(self.norm2(x))
+    return RMSNorm, Block
+
+
+def build_model(args):
+    """The transformer with deterministic weights (the same on every rank and in --check)."""
+    import mindspore as ms
+    from mindspore import mint, nn
+    RMSNorm, Block = _block_classes(args)
 
     class Transformer(nn.Cell):
         def __init__(self):

@@ -81,11 +81,12 @@ class MindSporeTrainingSupport:
     def install_grad_reducer(cell, reduce_fn, who):
         """Make ``reduce_fn(grads) -> grads`` the gradient reducer of a ``TrainOneStepCell``-like
         Cell (one with ``network`` and ``grad_reducer``); returns False for any other Cell (the
-        caller applies the reducer itself). Either way, calling ``cell`` in GRAPH_MODE raises."""
-        object.__setattr__(cell, "compile_and_run", _graph_mode_refusal(who))
+        caller applies the reducer itself). Calling the train step in GRAPH_MODE then raises (GRAPH_MODE
+        compiles it through ``compile_and_run``; PyNative never calls that)."""
         if not (isinstance(cell, ms.nn.Cell) and hasattr(cell, "grad_reducer") and hasattr(cell, "network")):
             return False
         cell.grad_reducer = _GradReducerCell(reduce_fn)
+        object.__setattr__(cell, "compile_and_run", _graph_mode_refusal(who))
         return True
 
     @staticmethod
