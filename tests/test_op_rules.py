@@ -32,46 +32,65 @@ def _zero_row(x):
     return x
 
 
-def _case_table():
-    """name -> (inputs builder, op, [layout per mesh kind]); a layout: per input, a placement spec:
-    "R", "P" (Partial sum) or an int (Shard(dim)); one entry per mesh dim."""
+def _linear_algebra_cases():
     import torch
-    import torch.nn.functional as F
-    two = {
-        "addmm": (lambda: _inputs((7,), (5, 6), (6, 7)), lambda b, x, w: torch.addmm(b, x, w, beta=0.5, alpha=2.0),
+    return {
+        "addmm": (lambda: _inputs((7,), (5, 6), (6, 7)),
+                  lambda b, x, w: torch.addmm(b, x, w, beta=0.5, alpha=2.0),
                   [["R", 0, "R"], ["R", 1, 0], [0, "R", 1], ["P", "P", "R"]]),
         "baddbmm": (lambda: _inputs((3, 5, 7), (3, 5, 6), (3, 6, 7)), torch.baddbmm,
                     [["R", 0, 0], [1, 1, "R"], ["R", 2, 1], [2, "R", 2]]),
         "addmv": (lambda: _inputs((5,), (5, 6), (6,)), torch.addmv, [["R", 0, "R"], ["R", 1, 0]]),
         "mv": (lambda: _inputs((5, 6), (6,)), torch.mv, [[0, "R"], [1, 0]]),
         "einsum_attention": (lambda: _inputs((2, 5, 6, 3), (2, 5, 7, 3)),
-                             lambda q, k: torch.einsum("bhqd,bhkd->bhqk", q, k), [[1, 1], [3, 3], [2, "R"], ["P", "R"]]),
+                             lambda q, k: torch.einsum("bhqd,bhkd->bhqk", q, k),
+                             [[1, 1], [3, 3], [2, "R"], ["P", "R"]]),
         "einsum_ellipsis": (lambda: _inputs((2, 5, 6), (6, 7)), lambda a, b: torch.einsum("...ij,jk", a, b),
                             [[1, "R"], [2, 0], ["R", 1]]),
+        # a KV cache: keys split over heads (TP) grow along the sequence; and a cat along a split dim
+        "cat_kv_cache": (lambda: _inputs((2, 5, 6, 3), (2, 5, 1, 3)), lambda k, new: torch.cat([k, new], 2),
+                         [[1, 1], [2, "R"], [2, 2]]),
+        "slice_seq": (lambda: _inputs((2, 5, 7, 3)), lambda k: k[:, :, 2:6], [[1], [2]]),
+    }
+
+
+def _reduction_cases():
+    import torch
+    return {
         "var": (lambda: _inputs((5, 7)), lambda x: torch.var(x, 0), [[0], [1], ["P"]]),
         "var_legacy": (lambda: _inputs((7, 5)), lambda x: x.var(0, False, True), [[0], [1]]),
         "std_all": (lambda: _inputs((5, 7)), lambda x: torch.std(x, correction=0), [[0], [1]]),
         "std_zero": (lambda: [torch.ones(5, 3)], lambda x: torch.std(x, 0), [[0]]),
-        "var_mean": (lambda: _inputs((6, 5, 2)), lambda x: torch.var_mean(x, (0, 2), keepdim=True), [[0], [1]]),
+        "var_mean": (lambda: _inputs((6, 5, 2)), lambda x: torch.var_mean(x, (0, 2), keepdim=True),
+                     [[0], [1]]),
         "std_mean": (lambda: _inputs((7, 3)), lambda x: torch.std_mean(x, 0, correction=2), [[0]]),
         "logsumexp": (lambda: _inputs((7, 5)), lambda x: torch.logsumexp(x, 0), [[0], [1], ["P"]]),
-        "logsumexp_inf": (lambda: [torch.tensor([[-float("inf")] * 3, [1.0, 2.0, -float("inf")], [0.5, 3.0, 1.0],
-                                                 [-float("inf")] * 3, [2.0, 1.0, 0.0]]).t().contiguous()],
-                          lambda x: torch.logsumexp(x, 1, keepdim=True), [[1], [0]]),
+        "logsumexp_inf": (lambda: [_with_infs()], lambda x: torch.logsumexp(x, 1, keepdim=True), [[1], [0]]),
         "vector_norm_2": (lambda: [_zero_row(_inputs((7, 5))[0]).t().contiguous()],
                           lambda x: torch.linalg.vector_norm(x, dim=1), [[1], [0]]),
         "vector_norm_3": (lambda: _inputs((7, 5)), lambda x: torch.linalg.vector_norm(x, 3, dim=0), [[0]]),
-        "vector_norm_1_all": (lambda: _inputs((7, 5)), lambda x: torch.linalg.vector_norm(x, 1), [[0], ["P"]]),
-        "vector_norm_inf": (lambda: _inputs((7, 5)), lambda x: torch.linalg.vector_norm(x, float("inf"), 0), [[0]]),
-        "vector_norm_half": (lambda: _inputs((7, 5)), lambda x: torch.linalg.vector_norm(x, 0.5, 0), [[0], [1]]),
+        "vector_norm_1_all": (lambda: _inputs((7, 5)), lambda x: torch.linalg.vector_norm(x, 1),
+                              [[0], ["P"]]),
+        "vector_norm_inf": (lambda: _inputs((7, 5)), lambda x: torch.linalg.vector_norm(x, float("inf"), 0),
+                            [[0]]),
+        "vector_norm_half": (lambda: _inputs((7, 5)), lambda x: torch.linalg.vector_norm(x, 0.5, 0),
+                             [[0], [1]]),
         "argmax": (lambda: _inputs((7, 5)), lambda x: torch.argmax(x, 0), [[0], [1]]),
         "argmin_all": (lambda: _inputs((7, 5)), torch.argmin, [[0]]),
         "topk": (lambda: _inputs((7, 5)), lambda x: torch.topk(x, 2, dim=1), [[0], [1]]),
         "sort": (lambda: _inputs((7, 5)), lambda x: torch.sort(x, dim=0, descending=True), [[0], [1]]),
         "cumsum": (lambda: _inputs((7, 5)), lambda x: torch.cumsum(x, 0), [[0], [1], ["P"]]),
         "prod": (lambda: _inputs((7, 5)), lambda x: torch.prod(x, 1), [[0], [1]]),
-        "nll_loss_mean": (lambda: _inputs((10, 5), ints=[_ids((10,), 5).masked_fill(_ids((10,), 3, 1) == 0, -100)]),
-                          lambda x, t: F.nll_loss(x, t), [[0, "R"], ["R", 0], [1, "R"], ["P", "R"]]),
+    }
+
+
+def _loss_and_index_cases():
+    import torch
+    import torch.nn.functional as F
+    ignored = _ids((10,), 5).masked_fill(_ids((10,), 3, 1) == 0, -100)
+    return {
+        "nll_loss_mean": (lambda: _inputs((10, 5), ints=[ignored]), lambda x, t: F.nll_loss(x, t),
+                          [[0, "R"], ["R", 0], [1, "R"], ["P", "R"]]),
         "nll_loss_weight": (lambda: _inputs((10, 5), (5,), ints=[_ids((10,), 5)]),
                             lambda x, w, t: F.nll_loss(x, t, weight=w.detach().abs()), [[0, "R", 0]]),
         "nll_loss_3d": (lambda: _inputs((2, 5, 7), ints=[_ids((2, 7), 5)]),
@@ -79,22 +98,36 @@ def _case_table():
         "nll_loss_none": (lambda: _inputs((10, 5), ints=[_ids((10,), 5)]),
                           lambda x, t: F.nll_loss(x, t, reduction="none"), [[0, "R"]]),
         "mse_loss": (lambda: _inputs((5, 7), (5, 7)), F.mse_loss, [[0, "R"], [1, 1], ["P", "R"]]),
-        "mse_loss_sum_broadcast": (lambda: _inputs((5, 7), (7,)), lambda a, b: F.mse_loss(a, b.expand(5, 7),
-                                                                                          reduction="sum"),
+        "mse_loss_sum_broadcast": (lambda: _inputs((5, 7), (7,)),
+                                   lambda a, b: F.mse_loss(a, b.expand(5, 7), reduction="sum"),
                                    [[0, "R"], [1, 0]]),
-        "index_select": (lambda: _inputs((7, 5), ints=[_ids((6,), 7)]), lambda x, i: torch.index_select(x, 0, i),
+        "index_select": (lambda: _inputs((7, 5), ints=[_ids((6,), 7)]),
+                         lambda x, i: torch.index_select(x, 0, i),
                          [[1, "R"], [0, "R"], ["R", 0], ["P", "R"]]),
         "gather": (lambda: _inputs((6, 5), ints=[_ids((6, 3), 5)]), lambda x, i: torch.gather(x, 1, i),
                    [[0, "R"], ["R", 0], [1, "R"]]),
         "gather_rows": (lambda: _inputs((6, 5), ints=[_ids((7, 5), 6)]), lambda x, i: torch.gather(x, 0, i),
                         [["R", 0], [1, 1], [0, "R"]]),
         "scatter_add": (lambda: _inputs((6, 5), (6, 2), ints=[_ids((6, 2), 5)]),
-                        lambda x, s, i: torch.scatter_add(x, 1, i, s), [[0, 0, "R"], ["R", "R", 0], [1, "R", "R"]]),
+                        lambda x, s, i: torch.scatter_add(x, 1, i, s),
+                        [[0, 0, "R"], ["R", "R", 0], [1, "R", "R"]]),
         "new_zeros_same": (lambda: _inputs((7, 5)), lambda x: x.new_zeros(7, 5), [[0], [1], ["P"]]),
         "new_full_other": (lambda: _inputs((7, 5)), lambda x: x.new_full((3, 4), 2.5), [[0]]),
         "new_ones_other": (lambda: _inputs((7, 5)), lambda x: x.new_ones((2,)) + 1, [[1]]),
     }
-    return two
+
+
+def _case_table():
+    """name -> (inputs builder, op, layouts); a layout: per input, "R", "P" (Partial sum) or an int
+    (Shard(dim)), applied on one mesh dim at a time (the others replicated)."""
+    return {**_linear_algebra_cases(), **_reduction_cases(), **_loss_and_index_cases()}
+
+
+def _with_infs():
+    import torch
+    inf = float("inf")
+    return torch.tensor([[-inf, -inf, -inf], [1.0, 2.0, -inf], [0.5, 3.0, 1.0], [-inf, -inf, -inf],
+                         [2.0, 1.0, 0.0]]).t().contiguous()
 
 
 def _placements(spec, mesh_ndim, mesh_dim_of_first):
@@ -167,48 +200,68 @@ def _check_case(rank, world_size, mesh_shape, name):
     return True
 
 
-CASE_NAMES = [
-    "addmm", "baddbmm", "addmv", "mv", "einsum_attention", "einsum_ellipsis", "var", "var_legacy", "std_all",
-    "std_zero", "var_mean", "std_mean", "logsumexp", "logsumexp_inf", "vector_norm_2", "vector_norm_3",
-    "vector_norm_1_all", "vector_norm_inf", "vector_norm_half", "argmax", "argmin_all", "topk", "sort", "cumsum",
-    "prod", "nll_loss_mean", "nll_loss_weight", "nll_loss_3d", "nll_loss_none", "mse_loss",
-    "mse_loss_sum_broadcast", "index_select", "gather", "gather_rows", "scatter_add", "new_zeros_same",
-    "new_full_other", "new_ones_other",
-]
-
-
 def _check_all(rank, world_size, mesh_shape):
-    return [_check_case(rank, world_size, mesh_shape, name) for name in CASE_NAMES]
+    names = sorted(_case_table())
+    for name in names:
+        _check_case(rank, world_size, mesh_shape, name)
+    return names
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
 def test_rules_match_one_device(mesh_shape):
-    assert run_dist(4, _check_all, mesh_shape, timeout=600) == [[True] * len(CASE_NAMES)] * 4
+    names = run_dist(4, _check_all, mesh_shape, timeout=900)
+    assert len(names[0]) >= 40 and all(n == names[0] for n in names)
 
 
 def _communication(rank, world_size):
-    """The exact split reductions move only small all-reduces (no all-gather of the input), and
-    new_* factories move nothing."""
+    """The exact split reductions move only small all-reduces (no all-gather of the input); new_*
+    factories and a KV-cache concatenation along the sequence of head-split keys move nothing."""
     import torch
     from hyper_parallel import CommDebugMode, Shard, distribute_tensor, init_device_mesh
     mesh = init_device_mesh("cpu", (world_size,))
     x = distribute_tensor(torch.randn(10, 6), mesh, [Shard(0)])
+    keys = distribute_tensor(torch.randn(2, 4, 6, 3), mesh, [Shard(1)])  # heads split (TP)
     counts = {}
     for name, fn in {"var": lambda: torch.var(x, 0), "std_mean": lambda: torch.std_mean(x, 0),
                      "logsumexp": lambda: torch.logsumexp(x, 0),
                      "vector_norm": lambda: torch.linalg.vector_norm(x, dim=0),
-                     "new_zeros": lambda: x.new_zeros((3, 3)), "new_ones": lambda: x.new_ones((10, 6))}.items():
+                     "new_zeros": lambda: x.new_zeros((3, 3)), "new_ones": lambda: x.new_ones((10, 6)),
+                     "kv_cache_cat": lambda: torch.cat([keys, keys[:, :, :1]], 2)}.items():
         with CommDebugMode() as comm:
             fn()
         counts[name] = dict(comm.get_comm_counts())
     return counts
 
 
+def _strided_alignment(rank, world_size):
+    """A batch (or contraction) dim split as StridedShard on one operand and as a plain Shard on the
+    other: the rule must bring both to one kind (their pieces would hold different rows)."""
+    import torch
+    from hyper_parallel import Shard, distribute_tensor, init_device_mesh
+    from hyper_parallel.core.dtensor.placement_types import StridedShard
+    mesh = init_device_mesh("cpu", (2, 2))
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 3, 4, generator=g), torch.randn(8, 4, 5, generator=g)
+    ops = {"bmm": torch.bmm, "matmul": torch.matmul,
+           "einsum": lambda x, y: torch.einsum("bij,bjk->bik", x, y),
+           "contract": lambda x, y: torch.einsum("bij,bjk->ik", x, y)}
+    for name, fn in ops.items():
+        da = distribute_tensor(a, mesh, [StridedShard(0, 2), Shard(0)])
+        db = distribute_tensor(b, mesh, [Shard(0), Shard(0)])
+        torch.testing.assert_close(fn(da, db).full_tensor(), fn(a, b), msg=lambda m: f"{name}: {m}")
+    return True
+
+
+def test_strided_and_plain_shards_of_one_dim_are_aligned():
+    assert run_dist(4, _strided_alignment) == [True] * 4
+
+
 def test_split_reductions_only_all_reduce():
     counts = run_dist(2, _communication)[0]
     for name in ("var", "std_mean", "logsumexp", "vector_norm"):
         assert set(counts[name]) == {"all_reduce"}, (name, counts[name])
-    assert counts["new_zeros"] == {} and counts["new_ones"] == {}, counts
+    for name in ("new_zeros", "new_ones", "kv_cache_cat"):
+        assert counts[name] == {}, (name, counts[name])
 
 
 # ============================================================================ Llama: no fallback

@@ -16,6 +16,17 @@ def _shard(current, dim):
     return current if current.is_shard(dim) else Shard(dim)
 
 
+def _common_kind(pa, ia, pb, ib):
+    """One shard kind for a dim both operands split (a batch or the contraction dim): A's if it
+    already splits it, else B's, else a plain Shard. Both must split alike (a StridedShard beside
+    a plain Shard would pair rows of A with other rows of B)."""
+    if ia is not None and pa.is_shard(ia):
+        return pa
+    if ib is not None and pb.is_shard(ib):
+        return pb
+    return Shard(0)
+
+
 def _out_shard(sources, dim):
     for p in sources:
         if p.is_shard():
@@ -48,8 +59,9 @@ def _candidates(dims, pa, pb, out_shape):
         b_has = ib >= 0 and dims.b_shape[ib] == out_shape[i]
         if not (a_has or b_has):
             continue
-        ta = _shard(pa, ia) if a_has else Replicate()
-        tb = _shard(pb, ib) if b_has else Replicate()
+        kind = _common_kind(pa, ia if a_has else None, pb, ib if b_has else None)
+        ta = kind.with_dim(ia) if a_has else Replicate()
+        tb = kind.with_dim(ib) if b_has else Replicate()
         cands.append(([ta, tb], _out_shard([ta, tb], i)))
     if dims.a_m is not None:
         ta = _shard(pa, dims.a_m)
@@ -57,7 +69,8 @@ def _candidates(dims, pa, pb, out_shape):
     if dims.b_n is not None:
         tb = _shard(pb, dims.b_n)
         cands.append(([Replicate(), tb], tb.with_dim(dims.out_n)))
-    cands.append(([_shard(pa, dims.a_k), _shard(pb, dims.b_k)], Partial("sum")))
+    kind = _common_kind(pa, dims.a_k, pb, dims.b_k)
+    cands.append(([kind.with_dim(dims.a_k), kind.with_dim(dims.b_k)], Partial("sum")))
     if pa.is_partial() and pa.reduce_op in ("sum", "avg"):
         cands.append(([pa, Replicate()], pa))
     if pb.is_partial() and pb.reduce_op in ("sum", "avg"):
