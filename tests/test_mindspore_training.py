@@ -3,7 +3,8 @@ factories, data_parallel's gradient reducer in nn.TrainOneStepCell (DP on 2 rank
 losses per step, reduced gradients, parameters after Adam steps), checkpoints with layouts (saved
 sharded on 2 ranks; loaded on 2 and 4 ranks with other layouts, into a plain Cell, in a single
 process without a launcher; a single-process MindSpore checkpoint into a parallelized Cell), and
-the GRAPH_MODE errors."""
+resuming training from a DP2 x TP2 checkpoint (parameters and Adam's state) on TP4 and in one
+process, and the GRAPH_MODE errors."""
 import os
 import subprocess
 
@@ -46,14 +47,21 @@ def test_graph_mode_errors(tmp_path):
 def test_checkpoint_save_sharded_load_anywhere(tmp_path):
     directory = str(tmp_path / "ckpt")
     assert run_ms(2, cases.checkpoint_save, directory) == [True, True]
-    assert sorted(os.listdir(directory)) == ["rank0.ckpt", "rank0.layout.json", "rank1.ckpt", "rank1.layout.json"]
+    assert sorted(os.listdir(directory)) == ["rank0.ckpt", "rank0.layout.json", "rank1.ckpt",
+                                             "rank1.layout.json"]
     assert run_ms(2, cases.checkpoint_load_layouts, directory) == [True, True]
     assert run_ms(4, cases.checkpoint_load_layouts, directory) == [True] * 4
     # one process, no launcher
-    code = f"from tests.mindspore.cases_training import single_process_load; print(single_process_load({directory!r}))"
+    code = ("from tests.mindspore.cases_training import single_process_load; "
+            f"print(single_process_load({directory!r}))")
     env = dict(os.environ, HP_PLATFORM="mindspore", PYTHONPATH=REPO)
     for key in ("MS_ROLE", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_NODE_ID"):
         env.pop(key, None)
     done = subprocess.run([mindspore_python(), "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("True"), done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and done.stdout.strip().endswith("True"), \
+        done.stdout[-2000:] + done.stderr[-3000:]
+
+
+def test_checkpoint_resume_training_on_another_layout(tmp_path):
+    assert run_ms(4, cases.checkpoint_resume, str(tmp_path / "resume")) == [True] * 4

@@ -146,8 +146,8 @@ def data_parallel_details(rank, world_size):
     net, _ = _mlp()
     loss_cell = _Loss(net, inp("dety", rank, (2, E)))
     params = net.trainable_params()
-    local = ms.grad(loss_cell, None, params)(x)
     data_parallel(loss_cell, mesh, average=False)       # a plain Cell: the reducer is grad_reducer_fn
+    local = ms.grad(loss_cell, None, params)(x)         # the Cell stays differentiable as before
     with loss_cell.no_sync():
         same = loss_cell.grad_reducer_fn(local)
     summed = loss_cell.grad_reducer_fn(local)
@@ -272,4 +272,37 @@ def checkpoint_load_layouts(rank, world_size, directory):
             self.w3 = ms.mint.nn.Linear(E, E)
     expect_error(ValueError, lambda: load_layout_checkpoint(Extra(), directory), "w3.weight", "strict=False")
     assert load_layout_checkpoint(Extra(), directory, strict=False)[0] == ["w3.bias", "w3.weight"]
+    return True
+
+
+def checkpoint_resume(rank, world_size, directory):
+    """Train 2 Adam steps on DP2 x TP2, save the train step (parameters and Adam's state), resume
+    on TP4 (4 ranks, whole batch) and in a plain Cell of this process: the next 2 steps' losses and
+    the final parameters equal 4 steps in one process."""
+    import mindspore as ms
+    from hyper_parallel import data_parallel, init_device_mesh
+    from hyper_parallel.core.dtensor.checkpoint_layout import load_layout_checkpoint, save_layout_checkpoint
+    xs, ys = inp("trainx", 0, (BATCH, E)), inp("trainy", 0, (BATCH, E))
+    ref_losses, _, ref_params = _reference_steps(None, xs, ys, 4, 0.05)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank, _ = mesh.get_coordinate()
+    net = _tp(_mlp()[0], mesh["tp"])
+    rows = slice(dp_rank * BATCH // 2, (dp_rank + 1) * BATCH // 2)
+    adam = ms.nn.Adam(net.trainable_params(), learning_rate=0.05)
+    step = ms.nn.TrainOneStepCell(_Loss(net, ys[rows]), adam)
+    data_parallel(step, mesh["dp"])
+    losses = [float(step(ms.Tensor(xs[rows])).asnumpy()) for _ in range(2)]
+    close(_dp_losses(losses, mesh["dp"]), ref_losses[:2], "DP x TP steps 1-2")
+    save_layout_checkpoint(step, directory)
+    tp4 = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    for where, cell in (("TP4", _tp(_mlp()[0], tp4)), ("one process", _mlp()[0])):
+        adam = ms.nn.Adam(cell.trainable_params(), learning_rate=0.05)
+        step = ms.nn.TrainOneStepCell(_Loss(cell, ys), adam)
+        missing, _ = load_layout_checkpoint(step, directory)
+        assert missing == [], missing
+        losses = [float(step(ms.Tensor(xs)).asnumpy()) for _ in range(2)]
+        close(losses, ref_losses[2:], f"resumed on {where}: steps 3-4")
+        tp_size = world_size if where == "TP4" else 1
+        for p in cell.trainable_params():
+            close(p, _piece(ref_params[p.name], p.name, rank % tp_size, tp_size), f"{where}: {p.name}")
     return True

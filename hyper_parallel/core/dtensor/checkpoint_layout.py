@@ -35,14 +35,31 @@ FORMAT = "hyper_parallel.layout/1"
 
 def _parameters(module):
     """{name: parameter or its DTensor view} of ``module``, under the names the framework saves
-    them with (shared parameters once)."""
+    them with (shared parameters once). Optimizer state that mirrors a parameter -- named
+    ``<prefix>.<parameter name>`` with the shape of its local shard, as MindSpore's optimizers name
+    their moments (``moment1.w1.weight``) -- gets that parameter's layout, so passing the train
+    step (network + optimizer) checkpoints and reshards the optimizer state too."""
     platform = get_platform()
     out = {}
     for _, cell in platform.named_modules(module):
         for _, param in platform.named_parameters(cell):
             local = param._local_tensor if isinstance(param, DTensor) else param
-            out.setdefault(platform.parameter_name(local), param)
+            name = platform.parameter_name(local)
+            if isinstance(param, DTensor) or name not in out:
+                out[name] = param
+    sharded = {n: p for n, p in out.items() if isinstance(p, DTensor)}
+    for name, param in list(out.items()):
+        owner = next((sharded[n] for n in _suffixes(name) if n in sharded), None)
+        if owner is not None and not isinstance(param, DTensor) and \
+                tuple(param.shape) == tuple(owner._local_tensor.shape):
+            out[name] = DTensor._make(param, owner._spec)
     return out
+
+
+def _suffixes(name):
+    """``a.b.c`` -> ``b.c``, ``c``: the names a state entry ``<prefix>.<parameter>`` may mirror."""
+    parts = name.split(".")
+    return [".".join(parts[i:]) for i in range(1, len(parts))]
 
 
 def _record(param, rank):
