@@ -7,7 +7,9 @@ ratios measured in one run mean anything), and prints µs per op and the ratios.
 block (attention projections and SwiGLU MLP, the same tensor-parallel plan for both libraries)
 forward + backward + SGD step, end to end. ``--json PATH`` writes the numbers.
 
-The calls repeat, so hyper_parallel serves them from its sharding-decision cache after the first.
+The calls repeat, so hyper_parallel serves them from its dispatch fast path after the first
+(core/dtensor/fast_path.py: local op -> wrap). The last op row repeats the chain on inputs that
+require grad, where both libraries also build autograd nodes.
 """
 import argparse
 import json
@@ -74,6 +76,13 @@ def _op_table(args, torch, tdt):
         timed = _interleaved({"hyper_parallel": lambda: fn(hx, hw), "torch DTensor": lambda: fn(tx, tw),
                               "plain": lambda: fn(lx, w)}, args.rounds, args.calls, lambda: None)
         rows[name] = timed
+    # the same chain on inputs that require grad (forward only): autograd nodes are part of the cost
+    gx, gw, glx, glw = (t.detach().requires_grad_() for t in (hx, hw, lx, w))
+    tgx, tgw = (t.detach().requires_grad_() for t in (tx, tw))
+    chain = _ops(torch)["chain (x + x) @ w, relu, * 2"]
+    rows["chain, inputs requiring grad"] = _interleaved(
+        {"hyper_parallel": lambda: chain(gx, gw), "torch DTensor": lambda: chain(tgx, tgw),
+         "plain": lambda: chain(glx, glw)}, args.rounds, args.calls, lambda: None)
     return rows
 
 

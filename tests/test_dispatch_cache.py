@@ -40,7 +40,9 @@ def repeated_steps(rank, world_size):
     torch.testing.assert_close((dy + dy).full_tensor(), dy.full_tensor() * 2)
     assert decision_cache.STATS["rule_evaluations"] == 1, decision_cache.STATS
     torch.testing.assert_close((dy + dy).full_tensor(), dy.full_tensor() * 2)
-    assert decision_cache.STATS == {"rule_evaluations": 1, "hits": 1}, decision_cache.STATS
+    # the repeat is served by the fast path (fast_path.py) or, failing that, by the decision cache
+    assert decision_cache.STATS["rule_evaluations"] == 1, decision_cache.STATS
+    assert decision_cache.STATS["hits"] + decision_cache.STATS["fast_hits"] == 1, decision_cache.STATS
     return evaluations
 
 

@@ -11,7 +11,7 @@ with ``cacheable=False``; calls an interceptor takes over are never cached.
 """
 _DECISIONS = {}
 _LIMIT = 65536
-STATS = {"rule_evaluations": 0, "hits": 0}
+STATS = {"rule_evaluations": 0, "hits": 0, "fast_hits": 0}
 
 
 def signature(name, func, mesh, leaves, structure, is_tensor, dtensor_type):
@@ -45,9 +45,14 @@ def store(key, strategy, out_shapes):
     _DECISIONS[key] = (strategy, out_shapes)
 
 
+ON_CLEAR = []   # other caches built on these decisions (fast_path.py) register their clear here
+
+
 def clear():
     _DECISIONS.clear()
-    STATS.update(rule_evaluations=0, hits=0)
+    for hook in ON_CLEAR:
+        hook()
+    STATS.update(rule_evaluations=0, hits=0, fast_hits=0)
 
 
-__all__ = ["STATS", "clear", "lookup", "signature", "store"]
+__all__ = ["ON_CLEAR", "STATS", "clear", "lookup", "signature", "store"]

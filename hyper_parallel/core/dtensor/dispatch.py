@@ -142,7 +142,9 @@ def _asks_in_place(func, args, kwargs):
     return pos is not None and len(args) > pos and bool(args[pos])
 
 
-def dispatch_function(name, func, args, kwargs):
+def dispatch_function(name, func, args, kwargs, record=None):
+    """``record(args, targets, out_placements, result)``: called (by fast_path.py) when the call
+    qualifies for the fast path: see ``_fast_eligible``."""
     leaves, structure = tree_flatten((args, kwargs))
     interceptor = screen(name, leaves)
     rule = get_rule(name)
@@ -174,7 +176,17 @@ def dispatch_function(name, func, args, kwargs):
                 interceptor.follow(out)
     if view_base is not None:
         _mark_views(wrapped, view_base, func, args, kwargs, autograd_view=False)
-    return tree_unflatten(wrapped, out_structure)
+    result = tree_unflatten(wrapped, out_structure)
+    if record is not None and _fast_eligible(call, strategy, interceptor, leaves, targets, out_structure):
+        record(args, targets, out_placements, result)
+    return result
+
+
+def _fast_eligible(call, strategy, interceptor, leaves, targets, out_structure):
+    """A call fast_path.py may repeat as local op -> wrap: a cached decision (no interceptor), one
+    tensor output, no view semantics, no rule-supplied local function, every input already placed."""
+    return (interceptor is None and out_structure is None and strategy.local is None
+            and call.name not in VIEW_OPS and is_cacheable(call.name) and not _moves(leaves, targets))
 
 
 def _decide(call, rule, interceptor, leaves, structure):

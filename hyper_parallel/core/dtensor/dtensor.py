@@ -25,8 +25,7 @@ class DTensor(get_platform().DTensorBase):
     # ------------------------------------------------------------------ dispatch hooks
     @classmethod
     def _hp_function(cls, name, func, args, kwargs):
-        from hyper_parallel.core.dtensor.dispatch import dispatch_function
-        return dispatch_function(name, func, args, kwargs)
+        return _dispatch(name, func, args, kwargs)
 
     @classmethod
     def _hp_aten(cls, func, args, kwargs):
@@ -139,6 +138,14 @@ class DTensor(get_platform().DTensorBase):
     def __repr__(self):
         return (f"DTensor(local_tensor={self._local_tensor!r}, device_mesh={self._spec.mesh!r}, "
                 f"placements={self._spec.placements}, shape={tuple(self._spec.shape)})")
+
+
+def _dispatch(name, func, args, kwargs):
+    """The first call binds the dispatcher (which imports this module) as ``_hp_function`` itself:
+    later calls reach it without an import statement or an extra frame per op."""
+    from hyper_parallel.core.dtensor.fast_path import dispatch
+    DTensor._hp_function = staticmethod(dispatch)
+    return dispatch(name, func, args, kwargs)
 
 
 # ---------------------------------------------------------------------- differentiable conversions

@@ -62,6 +62,14 @@ class TorchDTensorBase(torch.Tensor):
             cls, shape, strides=_contiguous_strides(shape), dtype=local_tensor.dtype,
             device=local_tensor.device, layout=local_tensor.layout, requires_grad=requires_grad)
 
+    @staticmethod
+    def _hp_fast_new(cls, local_tensor, global_shape):
+        """``__new__`` for core's dispatch fast path, which wraps only results of calls that went
+        through ``__new__`` before with the same inputs (so strided): contiguous global strides,
+        no gradient flag, fewest arguments (this runs once per op)."""
+        return torch.Tensor._make_wrapper_subclass(cls, global_shape, dtype=local_tensor.dtype,
+                                                   device=local_tensor.device)
+
     def __reduce_ex__(self, protocol):
         """Pickled as (this rank's piece, mesh description, placements, global shape)."""
         return _rebuild_dtensor, self._hp_describe()

@@ -1,0 +1,191 @@
+"""The cache-hit fast path of DTensor dispatch: local op -> wrap, nothing else.
+
+Most calls in a loop repeat a call seen before with inputs already in the layout the rule wants:
+``(x + x) @ w``, ``relu``, ``* 2.0`` on a ``Shard(0)`` activation. For those the full dispatcher
+(``dispatch.py``: flatten, interceptors, rule or decision cache, redistribution, wrap) re-derives
+what the first call already settled. This module keeps, per call signature, what such a call
+needs and nothing more: the output's spec and, for autograd, the gradient specs of the inputs.
+
+The signature is keyed cheaply: a DTensor argument by the *identity* of its spec and its dtype,
+a plain value by (type, value). Identity is safe because the entry keeps those spec objects alive
+(no other object can take their ids), and it hits because specs are interned: equal specs on the
+same mesh object become one object (a spec is an immutable value, so swapping a DTensor's spec
+for an equal one changes nothing), and every output of a fast call carries the entry's spec.
+
+Only the simplest calls take this path; anything else goes to ``dispatch_function``, which
+records an entry when the call qualifies (``_record``): a cacheable rule, no interceptor, no
+in-place request, no view op, no plain tensor argument, no nesting, inputs already placed, no
+rule-supplied local function, one tensor output. Without autograd the call is the local op and
+one wrap. With autograd it keeps the slow path's differentiable conversions (``_to_local`` /
+``_from_local`` with the same gradient specs and pass-through dims), so gradients are the slow
+path's exactly.
+"""
+from hyper_parallel.core.dtensor import decision_cache
+from hyper_parallel.core.dtensor.dispatch import (_passthrough, dispatch_function, ensure_leaf_grad_layout,
+                                                  input_grad_placements)
+from hyper_parallel.core.dtensor.dtensor import DTensor, GradPassThrough, _from_local, _to_local
+from hyper_parallel.core.dtensor.interceptors import _stack, involved
+from hyper_parallel.platform import get_platform
+
+# bound once at import (not per call): this module's functions run on every op
+_platform = get_platform()
+_is_grad_enabled = _platform.is_grad_enabled
+_make = DTensor._make
+# the platform's lean wrapper constructor, if it has one (``DTensor._make`` does the same, slower)
+_new = getattr(DTensor, "_hp_fast_new", None)
+_ENTRIES = {}
+_SPECS = {}
+_LIMIT = 65536
+# argument types that are plain values without a look (the rest are checked by _plain_value)
+_SCALARS = frozenset({int, float, bool, complex, str, type(None)})
+STATS = decision_cache.STATS   # "fast_hits" counts calls served here
+
+
+class _Entry:
+    __slots__ = ("specs", "positions", "out_spec", "grad_specs", "passthrough_dims")
+
+    def __init__(self, specs, positions, out_spec, grad_specs, passthrough_dims):
+        self.specs = specs                # keeps the keyed spec objects alive (see module doc)
+        self.positions = positions        # where the DTensor arguments are
+        self.out_spec = out_spec
+        self.grad_specs = grad_specs      # per DTensor argument, as dispatch._run_on_shards gives
+        self.passthrough_dims = passthrough_dims
+
+
+def _plain_value(value):
+    """A hashable non-tensor value (a dtype, a tuple of ints...) that can stand in a key."""
+    if _platform.is_tensor(value) or isinstance(value, (list, dict, set)):
+        return False
+    if isinstance(value, tuple) and not all(type(v) in _SCALARS for v in value):
+        return False
+    try:
+        hash(value)
+    except TypeError:  # slices
+        return False
+    return True
+
+
+def _key_kwargs(kwargs, append):
+    """Append keyword arguments to a key; False if one is not a plain value (e.g. a tensor)."""
+    for k, v in kwargs.items():
+        kind = type(v)
+        if not (kind in _SCALARS or _plain_value(v)):
+            return False
+        append(k)   # a str: never equal to an id (int) or a type, so tokens cannot alias
+        append((kind, v))
+    return True
+
+
+def intern(spec):
+    """The one spec object standing for ``spec``'s value on ``spec``'s mesh object."""
+    k = (id(spec.mesh), spec.placements, spec.shape)
+    found = _SPECS.get(k)
+    if found is None:
+        if len(_SPECS) >= _LIMIT:
+            _SPECS.clear()
+        _SPECS[k] = found = spec
+    return found
+
+
+def _intern_args(args):
+    changed = False
+    for a in args:
+        if type(a) is DTensor:
+            spec = intern(a._spec)
+            if spec is not a._spec:
+                a._spec = spec
+                changed = True
+    return changed
+
+
+def dispatch(name, func, args, kwargs):
+    """Run a user-level op on DTensors: the fast path on a hit, else ``dispatch_function``.
+    One loop builds the key, the local arguments and the autograd question together, inline
+    rather than in helpers: every frame and every pass here is paid on every op."""
+    key = [name, func]
+    append = key.append
+    local_args = []
+    push = local_args.append
+    tracked = False
+    for a in args:
+        kind = type(a)
+        if kind is DTensor:
+            local = a._local_tensor
+            append(id(a._spec))
+            append(local.dtype)
+            push(local)
+            tracked = tracked or a.requires_grad
+        elif kind in _SCALARS or _plain_value(a):
+            append(kind)
+            append(a)
+            push(a)
+        else:
+            return dispatch_function(name, func, args, kwargs)
+    if kwargs and not _key_kwargs(kwargs, append):
+        return dispatch_function(name, func, args, kwargs)
+    key = tuple(key)
+    entry = _ENTRIES.get(key)
+    if entry is None or (_stack.get() and involved(list(args)) is not None):
+        return _miss(name, func, args, kwargs, key, entry)
+    STATS["fast_hits"] += 1
+    if tracked and _is_grad_enabled():
+        return _run_differentiable(entry, func, args, kwargs)
+    out = func(*local_args, **kwargs) if kwargs else func(*local_args)
+    if _new is None:
+        return _make(out, entry.out_spec)
+    obj = _new(DTensor, out, entry.out_spec.shape)
+    obj._local_tensor = out
+    obj._spec = entry.out_spec
+    return obj
+
+
+def _miss(name, func, args, kwargs, key, entry):
+    """Not a plain hit: an interceptor follows an argument (``entry`` is set), or the arguments'
+    specs are not interned yet (a new DTensor: intern and look again), or the call is new (the
+    full dispatcher then records it)."""
+    if entry is not None:
+        return dispatch_function(name, func, args, kwargs)
+    if _intern_args(args):
+        return dispatch(name, func, args, kwargs)
+    return dispatch_function(name, func, args, kwargs, record=lambda *a: _record(key, *a))
+
+
+def _run_differentiable(entry, func, args, kwargs):
+    """As dispatch._run_on_shards does for a call with placed inputs and one output."""
+    dims = entry.passthrough_dims
+    passthrough = GradPassThrough(dims) if dims else None
+    local_args = list(args)
+    for i, grad_spec in zip(entry.positions, entry.grad_specs):
+        ensure_leaf_grad_layout(args[i])
+        local_args[i] = _to_local(args[i], grad_spec, passthrough)
+    out = func(*local_args, **kwargs) if kwargs else func(*local_args)
+    return _from_local(out, entry.out_spec, passthrough)
+
+
+def _record(key, args, targets, out_placements, result):
+    """Called by dispatch_function for a call that qualifies (see module doc)."""
+    positions = tuple(i for i, a in enumerate(args) if type(a) is DTensor)
+    if not positions:
+        return
+    mesh = args[positions[0]]._spec.mesh
+    out_spec = intern(result._spec)
+    result._spec = out_spec
+    replicated_out = [all(p[m].is_replicate() for p in out_placements) for m in range(mesh.ndim)]
+    grad_specs = tuple(args[i]._spec.with_placements(input_grad_placements(targets[i], replicated_out))
+                       for i in positions)
+    passthrough = _passthrough(out_placements, [targets[i] for i in positions], replicated_out)
+    if len(_ENTRIES) >= _LIMIT:
+        _ENTRIES.clear()
+    _ENTRIES[key] = _Entry(tuple(args[i]._spec for i in positions), positions, out_spec, grad_specs,
+                           passthrough.dims if passthrough is not None else None)
+
+
+def clear():
+    _ENTRIES.clear()
+    _SPECS.clear()
+
+
+decision_cache.ON_CLEAR.append(clear)
+
+
+__all__ = ["STATS", "clear", "dispatch", "intern"]

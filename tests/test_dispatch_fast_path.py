@@ -1,0 +1,120 @@
+"""The dispatch fast path (core/dtensor/fast_path.py): a repeated call with inputs already placed
+runs as local op -> wrap. Each case runs a call once through the full dispatcher (caches cleared),
+then again through the fast path (asserted by the ``fast_hits`` counter), and checks that both give
+the same forward values, metadata and input gradients, equal to one device's."""
+from tests.harness import run_dist
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def _cases(torch):
+    import torch.nn.functional as F
+    from hyper_parallel import Replicate, Shard
+    s0, r = (Shard(0),), (Replicate(),)
+    return [  # label, fn, (placements of each input)
+        ("add x + x", lambda x, w: x + x, (s0, r)),
+        ("matmul x @ w", lambda x, w: x @ w, (s0, r)),
+        ("relu", lambda x, w: torch.relu(x), (s0, r)),
+        ("mul by scalar", lambda x, w: x * 2.0, (s0, r)),
+        ("chain (x + x) @ w, relu, * 2", lambda x, w: torch.relu((x + x) @ w) * 2.0, (s0, r)),
+        ("softmax with a kwarg", lambda x, w: F.softmax(x @ w, dim=-1), (s0, r)),
+        ("replicated inputs (pass-through)", lambda x, w: torch.tanh(x @ w) - x, (r, r)),
+        ("column split weight", lambda x, w: F.gelu(x @ w) + 1, (r, (Shard(1),))),
+        ("cast to float64", lambda x, w: (x * w[0]).to(torch.float64), (s0, r)),
+    ]
+
+
+def _run(fn, x, w, mesh, placements, grad):
+    from hyper_parallel import distribute_tensor
+    dx = distribute_tensor(x, mesh, list(placements[0])).requires_grad_(grad)
+    dw = distribute_tensor(w, mesh, list(placements[1])).requires_grad_(grad)
+    out = fn(dx, dw)
+    meta = (type(out).__name__, tuple(out.shape), tuple(out.stride()), out.dtype, out.requires_grad,
+            out.placements, tuple(out.to_local().shape))
+    grads = None
+    if grad:
+        (out * out).sum().backward()
+        grads = tuple(None if t.grad is None else t.grad.full_tensor() for t in (dx, dw)) + tuple(
+            None if t.grad is None else t.grad.placements for t in (dx, dw))
+    return out.full_tensor().detach(), meta, grads
+
+
+def fast_equals_slow(rank, world_size):
+    import torch
+    from hyper_parallel import init_device_mesh
+    from hyper_parallel.core.dtensor import decision_cache
+    mesh = init_device_mesh("cpu", (world_size,))
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4 * world_size, 8, generator=g), torch.randn(8, 8, generator=g)
+    checked = []
+    for label, fn, placements in _cases(torch):
+        for grad in (False, True):
+            decision_cache.clear()   # the first run takes the full dispatcher and records
+            slow = _run(fn, x, w, mesh, placements, grad)
+            assert decision_cache.STATS["fast_hits"] == 0, (label, decision_cache.STATS)
+            evaluations = decision_cache.STATS["rule_evaluations"]
+            fast = _run(fn, x, w, mesh, placements, grad)
+            assert decision_cache.STATS["fast_hits"] > 0, (label, grad, decision_cache.STATS)
+            assert decision_cache.STATS["rule_evaluations"] == evaluations, (label, decision_cache.STATS)
+            assert fast[1] == slow[1], (label, grad, fast[1], slow[1])
+            torch.testing.assert_close(fast[0], slow[0], atol=0, rtol=0)
+            rx, rw = x.clone().requires_grad_(grad), w.clone().requires_grad_(grad)
+            ref = fn(rx, rw)
+            torch.testing.assert_close(fast[0], ref.detach(), **TOL)
+            if grad:
+                (ref * ref).sum().backward()
+                assert fast[2][2:] == slow[2][2:], (label, fast[2][2:], slow[2][2:])
+                for got, want, ref_grad in zip(fast[2][:2], slow[2][:2], (rx.grad, rw.grad)):
+                    assert (got is None) == (want is None) == (ref_grad is None), label
+                    if got is not None:
+                        torch.testing.assert_close(got, want, atol=0, rtol=0)
+                        torch.testing.assert_close(got, ref_grad, **TOL)
+            checked.append((label, grad))
+    return checked
+
+
+def test_fast_path_equals_slow_path_and_one_device():
+    results = run_dist(2, fast_equals_slow)
+    assert results[0] == results[1] and len(results[0]) == 18
+
+
+def fast_path_boundaries(rank, world_size):
+    """Calls the fast path must leave to the full dispatcher, and a leaf used without autograd."""
+    import torch
+    from hyper_parallel import Replicate, Shard, distribute_tensor, init_device_mesh
+    from hyper_parallel.core.dtensor import decision_cache
+    mesh = init_device_mesh("cpu", (world_size,))
+    x = torch.arange(4.0 * world_size * 6).reshape(4 * world_size, 6)
+    dx = distribute_tensor(x, mesh, [Shard(0)])
+    decision_cache.clear()
+    seen = []
+    # a plain tensor argument, a view op and an input that must move: never fast
+    for label, fn, ref in (("plain tensor argument", lambda t: t + torch.ones(6), x + 1),
+                           ("view op", lambda t: t.view(-1), x.view(-1)),
+                           ("input that moves", lambda t: t.redistribute(placements=[Replicate()]) + t,
+                            x * 2)):
+        for _ in range(3):
+            torch.testing.assert_close(fn(dx).full_tensor(), ref)
+        seen.append((label, decision_cache.STATS["fast_hits"]))
+        assert decision_cache.STATS["fast_hits"] == 0, (label, decision_cache.STATS)
+    # a new DTensor with an equal layout hits at once (its spec is interned on the first miss)
+    (dx * 3.0).full_tensor()
+    hits = decision_cache.STATS["fast_hits"]
+    dy = distribute_tensor(x + 1, mesh, [Shard(0)])
+    torch.testing.assert_close((dy * 3.0).full_tensor(), (x + 1) * 3.0)
+    assert decision_cache.STATS["fast_hits"] == hits + 1, decision_cache.STATS
+    # a leaf used under no_grad, then with autograd: its gradient keeps the leaf's layout
+    leaf = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+    with torch.no_grad():
+        for _ in range(2):
+            out = leaf * 3.0
+            assert not out.requires_grad
+    (leaf * 3.0).sum().backward()
+    assert leaf.grad.placements == (Shard(0),), leaf.grad.placements
+    torch.testing.assert_close(leaf.grad.full_tensor(), torch.full_like(x, 3.0))
+    return seen
+
+
+def test_fast_path_boundaries():
+    results = run_dist(2, fast_path_boundaries)
+    assert results[0] == results[1]
