@@ -67,9 +67,9 @@ _EXPLICIT = {
     "new_factory": [torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_full,
                     torch.Tensor.new_empty],
 }
-# ops along one dim that must be whole (ops/whole_dim.py): the rule name is the torch name
+# ops along one dim (ops/whole_dim.py, ops/scan.py): the rule name is the torch name
 for _name in ("argmax", "argmin", "median", "nanmedian", "mode", "kthvalue", "prod", "topk", "sort",
-              "argsort", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"):
+              "argsort", "cumsum", "cummax", "cummin", "logcumsumexp"):
     _EXPLICIT[_name] = [getattr(torch, _name), getattr(torch.Tensor, _name)]
 
 _DUNDER_ELEMENTWISE = ["__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",

@@ -19,6 +19,7 @@ from hyper_parallel.core.dtensor.ops import (  # noqa: F401  (registration side 
     npu_attention,
     reductions,
     slicing,
+    scan,
     softmax,
     statistics,
     vector_norm,

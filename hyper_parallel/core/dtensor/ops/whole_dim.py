@@ -1,41 +1,36 @@
 """Ops along one dim that must be whole on every rank: argmax / argmin, topk, sort / argsort,
-kthvalue, mode, median, cumsum / cumprod / cummax / cummin / logcumsumexp, and prod.
+kthvalue, mode, median, cummax / cummin / logcumsumexp, and prod (cumsum: scan.py).
 
 The op's dim (every dim when ``dim`` is None: ``argmax(x)``, ``prod(x)``, ``median(x)``) is
 gathered on the mesh dims that split it; shards of the other dims stay, moved to their place in
 the output (a dim the op removes shifts the later ones down). The indices these ops return are
-therefore global. Partial inputs are reduced first (the ops are not linear), except for cumsum,
-which is: ``cumsum(sum_r x_r) = sum_r cumsum(x_r)``, so a Partial(sum / avg) input stays Partial.
+therefore global. Partial inputs are reduced first (none of these ops is linear).
 
-An exact cross-rank alternative exists for some (a prefix offset for cumsum, a max-loc all-reduce
-for argmax); gathering one dim is what they would save, and the layout of every other dim is kept.
+An exact cross-rank alternative exists for some (a max-loc all-reduce for argmax, a product of
+per-rank products for prod); gathering one dim is what they would save, and the layout of every
+other dim is kept. (cumprod has no rule yet: tests use it as the example of an op without one.)
 """
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Replicate
 
-_LINEAR_PARTIAL = ("sum", "avg")
-
-# name: (position of dim, its default, position of keepdim or None if the op keeps every dim,
-#        whether the op is linear in its input)
+# name: (position of dim, its default, position of keepdim or None if the op keeps every dim)
 _SIGNATURES = {
-    "argmax": (1, None, 2, False), "argmin": (1, None, 2, False),
-    "median": (1, None, 2, False), "nanmedian": (1, None, 2, False),
-    "mode": (1, -1, 2, False), "kthvalue": (2, -1, 3, False),
-    "prod": (1, None, 2, False),
-    "topk": (2, -1, None, False), "sort": (1, -1, None, False), "argsort": (1, -1, None, False),
-    "cumsum": (1, None, None, True), "cumprod": (1, None, None, False),
-    "cummax": (1, None, None, False), "cummin": (1, None, None, False),
-    "logcumsumexp": (1, None, None, False),
+    "argmax": (1, None, 2), "argmin": (1, None, 2),
+    "median": (1, None, 2), "nanmedian": (1, None, 2),
+    "mode": (1, -1, 2), "kthvalue": (2, -1, 3),
+    "prod": (1, None, 2),
+    "topk": (2, -1, None), "sort": (1, -1, None), "argsort": (1, -1, None),
+    "cummax": (1, None, None), "cummin": (1, None, None),
+    "logcumsumexp": (1, None, None),
 }
 
 
-def gather_dims(spec, dims, out_dim_of, linear=False):
-    """(input placements, output placements): shards of ``dims`` and non-linear Partials are
-    replicated; other shards kept and moved by ``out_dim_of`` (input dim -> output dim)."""
+def gather_dims(spec, dims, out_dim_of):
+    """(input placements, output placements): shards of ``dims`` and Partials are replicated;
+    other shards kept and moved by ``out_dim_of`` (input dim -> output dim)."""
     inputs, outputs = [], []
     for p in spec.placements:
-        keep_partial = linear and p.is_partial() and p.reduce_op in _LINEAR_PARTIAL
-        if (p.is_shard() and p.dim in dims) or (p.is_partial() and not keep_partial):
+        if (p.is_shard() and p.dim in dims) or p.is_partial():
             inputs.append(Replicate())
             outputs.append(Replicate())
         elif p.is_shard():
@@ -57,7 +52,7 @@ def whole_dim_rule(call):
     spec = call.spec(x)
     if spec is None or call.index(x) != 0:
         return None
-    dim_pos, default, keep_pos, linear = _SIGNATURES[call.name]
+    dim_pos, default, keep_pos = _SIGNATURES[call.name]
     dim = call.arg(dim_pos, "dim", default)
     ndim = spec.ndim
     if call.name == "prod" and isinstance(dim, (list, tuple)) and len(dim) == 1:
@@ -79,7 +74,7 @@ def whole_dim_rule(call):
 
     def out_dim_of(d):
         return d - 1 if removes and dim is not None and d > dim else d
-    inputs, outputs = gather_dims(spec, touched, out_dim_of, linear)
+    inputs, outputs = gather_dims(spec, touched, out_dim_of)
     return OpStrategy(inputs=[inputs] + [None] * (len(call.specs) - 1), outputs=outputs)
 
 
