@@ -7,7 +7,8 @@ from hyper_parallel.core.context_parallel.checks import (NAMES, check_across_ran
                                                          first_call_of_signature,
                                                          check_whole_sequence, normalise_dims,
                                                          suspect_whole_sequence)
-from hyper_parallel.core.context_parallel.layouts import input_placements, mode_placements
+from hyper_parallel.core.context_parallel.fused_collectives import to_mode
+from hyper_parallel.core.context_parallel.layouts import input_placements
 from hyper_parallel.core.context_parallel.load_balance import merge_head_tail, split_head_tail
 from hyper_parallel.core.context_parallel.mask_mode import with_masks
 from hyper_parallel.core.context_parallel.masks import active_masks, check_masks
@@ -236,14 +237,11 @@ def run_attention(style, cp_mesh, qkv, call):
     mesh, seq, head = inputs.mesh, inputs.seq, inputs.head
     dts = [DTensor.from_local(t, mesh, p, shape=s) for t, p, s in
            zip(inputs.locals, inputs.placements, inputs.shapes)]
-    _, kv_target = mode_placements(inputs.placements[1], mesh, dts[1].ndim, seq, head, ulysses_dims,
-                                   gather_dims)
-    k, v = (t.redistribute(placements=kv_target) for t in dts[1:])
+    # one fused all-to-all for q, k, v and one all-gather for k, v where the layout allows
+    q, k, v = to_mode(dts, seq, head, ulysses_dims, gather_dims)
     if style.load_balance:
         return _deliver(style, inputs, *_load_balanced(inputs, k, v, call))
-    q_target, _ = mode_placements(inputs.placements[0], mesh, dts[0].ndim, seq, head, ulysses_dims,
-                                  gather_dims)
-    out = first_output(call(dts[0].redistribute(placements=q_target), k, v))
+    out = first_output(call(q, k, v))
     return _deliver(style, inputs, *to_caller(out, inputs, ulysses_dims))
 
 

@@ -91,55 +91,82 @@ def _forward(ctx, q, k, v, layout, causal, scale):
     return out
 
 
+def _held_block_grads(ctx, parts, holder, kv):
+    """(dq contributions per local chunk, dk, dv of the held block in the accumulator dtype) for
+    one backward step; chunks a causal mask skips contribute None (dq) or zeros (dk/dv)."""
+    platform = get_platform()
+    q_parts, g_parts, out_parts, lse_parts = parts
+    layout, causal, scale = ctx.layout, ctx.causal, ctx.scale
+    groups, acc_dtype = q_parts[0].shape[-3] // kv[0].shape[-3], lse_parts[0].dtype
+    n_sub = len(q_parts)
+    my_ids = layout.chunk_ids(layout.index)
+    k_parts, v_parts = kv[0].chunk(n_sub, SEQ), kv[1].chunk(n_sub, SEQ)
+    dq, dk_parts, dv_parts = [None] * n_sub, [None] * n_sub, [None] * n_sub
+    for i in range(n_sub):
+        for j, k_id in enumerate(layout.chunk_ids(holder)):
+            relation = _relation(my_ids[i], k_id, causal)
+            if relation == "skip":
+                continue
+            dqi, dkj, dvj = platform.attention_block_backward(
+                g_parts[i], q_parts[i], _expand_heads(k_parts[j], groups), _expand_heads(v_parts[j], groups),
+                out_parts[i], lse_parts[i], relation == "diag", scale)
+            # out of place: chunks are views in torch but copies in MindSpore
+            dq[i] = _added(dq[i], dqi, acc_dtype)
+            dk_parts[j] = _added(dk_parts[j], _fold_heads(dkj, groups), acc_dtype)
+            dv_parts[j] = _added(dv_parts[j], _fold_heads(dvj, groups), acc_dtype)
+    whole = []
+    for grads, blocks in ((dk_parts, k_parts), (dv_parts, v_parts)):
+        grads = [g if g is not None else b.new_zeros(b.shape, dtype=acc_dtype) for g, b in zip(grads, blocks)]
+        whole.append(grads[0] if n_sub == 1 else platform.cat(grads, SEQ % kv[0].ndim))
+    return dq, whole[0], whole[1]
+
+
+def _added(acc, x, dtype):
+    return x.to(dtype) if acc is None else acc + x
+
+
 def _backward(ctx, grad_out):
+    """Step s: start the K/V hop, compute the held block's gradients, then take the dK/dV
+    accumulator that the previous rank sent at the end of its step s-1 (its hop overlapped this
+    step's compute), add, and send the sum on without waiting; the last hop lands home."""
     platform = get_platform()
     q, k, v, out, lse = ctx.saved_tensors
-    layout, causal, scale = ctx.layout, ctx.causal, ctx.scale
+    layout = ctx.layout
     ring, n_sub = _Ring(layout), len(layout.chunk_ids(0))
-    groups = q.shape[-3] // k.shape[-3]
     acc_dtype = lse.dtype
-    q_parts, out_parts = q.chunk(n_sub, SEQ), out.chunk(n_sub, SEQ)
-    g_parts, lse_parts = grad_out.contiguous().chunk(n_sub, SEQ), lse.chunk(n_sub, -1)
-    my_ids = layout.chunk_ids(layout.index)
-    dq = [p.new_zeros(p.shape, dtype=acc_dtype) for p in q_parts]
+    parts = (q.chunk(n_sub, SEQ), grad_out.contiguous().chunk(n_sub, SEQ), out.chunk(n_sub, SEQ),
+             lse.chunk(n_sub, -1))
+    dq = [None] * n_sub
     kv = (k.contiguous(), v.contiguous())
-    own = travelling = None
+    own = hop = None
     for step in range(layout.size):
-        holder = (layout.index - step) % layout.size
         pending = ring.start(kv) if step < layout.size - 1 else None
-        k_parts, v_parts = kv[0].chunk(n_sub, SEQ), kv[1].chunk(n_sub, SEQ)
-        # accumulate out of place: chunks are views in torch but copies in MindSpore
-        dk_parts = [p.new_zeros(p.shape, dtype=acc_dtype) for p in k_parts]
-        dv_parts = [p.new_zeros(p.shape, dtype=acc_dtype) for p in v_parts]
-        for i in range(n_sub):
-            for j, k_id in enumerate(layout.chunk_ids(holder)):
-                relation = _relation(my_ids[i], k_id, causal)
-                if relation == "skip":
-                    continue
-                dqi, dkj, dvj = platform.attention_block_backward(
-                    g_parts[i], q_parts[i], _expand_heads(k_parts[j], groups), _expand_heads(v_parts[j], groups),
-                    out_parts[i], lse_parts[i], relation == "diag", scale)
-                dq[i] = dq[i] + dqi
-                dk_parts[j] = dk_parts[j] + _fold_heads(dkj, groups)
-                dv_parts[j] = dv_parts[j] + _fold_heads(dvj, groups)
-        dk, dv = (parts[0] if n_sub == 1 else platform.cat(parts, SEQ % k.ndim) for parts in (dk_parts, dv_parts))
+        dq_step, dk, dv = _held_block_grads(ctx, parts, (layout.index - step) % layout.size, kv)
+        dq = [d if s is None else _added(d, s, acc_dtype) for d, s in zip(dq, dq_step)]
+        # release the block just used (and its views) before the next exchange allocates
+        dq_step = kv = None
         if step == 0:
             own = (dk, dv)
         else:
-            if travelling is not None:
-                dk, dv = dk + travelling[0], dv + travelling[1]
-                travelling = None
-            # hand this block's gradient on; receive the one for the block held next (or our own)
-            travelling = tuple(ring.start((dk, dv)).wait())
-        # as in forward: release the block just used before the next exchange starts
-        dk = dv = k_parts = v_parts = dk_parts = dv_parts = None
+            if hop is not None:
+                # drop the handle with the wait: it holds the finished send and receive buffers
+                arrived, hop = hop.wait(), None
+                dk, dv = dk + arrived[0], dv + arrived[1]
+                arrived = None
+            # the wire carries the input dtype: the accumulator's own dtype for float32/64 (exact), the
+            # half dtype the gradient is returned in otherwise (one rounding per hop: see
+            # docs/ring_attention.md, "Precision of the dK/dV hops")
+            hop = ring.start((dk.to(k.dtype), dv.to(v.dtype)))
+        dk = dv = None
         if pending is not None:
             kv = tuple(pending.wait())
             pending = None
     dk, dv = own
-    if travelling is not None:
-        dk, dv = dk + travelling[0], dv + travelling[1]
-    grad_q = platform.cat(dq, SEQ % q.ndim).to(q.dtype)
+    if hop is not None:
+        arrived, hop = hop.wait(), None
+        dk, dv = dk + arrived[0], dv + arrived[1]
+    grad_q = platform.cat([d if d is not None else p.new_zeros(p.shape) for d, p in zip(dq, parts[0])],
+                          SEQ % q.ndim).to(q.dtype)
     return grad_q, dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 

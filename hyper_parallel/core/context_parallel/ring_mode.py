@@ -5,7 +5,7 @@ The user's module is called with q, k, v as DTensors, as in every mode; a dispat
 (core/dtensor/interceptors.py) follows them through the module's relayouts (transpose, view...)
 and, at ``F.scaled_dot_product_attention``, runs the ring kernel on their local blocks instead of
 the attention rule. Attention code that consumes them otherwise is refused: it cannot be ringed."""
-from hyper_parallel.core.context_parallel.layouts import mode_placements
+from hyper_parallel.core.context_parallel.fused_collectives import to_mode
 from hyper_parallel.core.context_parallel.load_balance import merge_head_tail, split_head_tail
 from hyper_parallel.core.context_parallel.output import first_output, to_caller
 from hyper_parallel.core.context_parallel.masked_ring import masked_ring_attention
@@ -61,7 +61,6 @@ def run_ring(style, inputs, ulysses_dims, ring_dim, call):
     """(this rank's contiguous output block (local, differentiable), the output's seq dim, its
     placements on the working mesh)."""
     mesh, seq, head = inputs.mesh, inputs.seq, inputs.head
-    ndim = inputs.locals[0].ndim
     locals_ = inputs.locals
     if style.load_balance:
         # zigzag: this rank holds chunks 2r and 2P-1-2r of q, k and v (the DTensor layout below is
@@ -70,12 +69,11 @@ def run_ring(style, inputs, ulysses_dims, ring_dim, call):
     layout = RingLayout(mesh.group_ranks(ring_dim), mesh.get_local_rank(ring_dim), style.load_balance)
     dts = [DTensor.from_local(t, mesh, p, shape=s)
            for t, p, s in zip(locals_, inputs.placements, inputs.shapes)]
-    target, _ = mode_placements(inputs.placements[0], mesh, ndim, seq, head, ulysses_dims, [])
     masks = active_masks()   # packed documents / padding (masks.py): the masked ring kernel
     ring = RingInterceptor(lambda q, k, v, causal, scale:
                            ring_attention(q, k, v, layout, causal, scale) if masks is None
                            else masked_ring_attention(q, k, v, layout, masks, causal, scale))
-    moved = [t.redistribute(placements=target) for t in dts]
+    moved = to_mode(dts, seq, head, ulysses_dims, [])   # one fused all-to-all on the ds dims
     for t in moved:
         ring.follow(t)
     with intercepting(ring):
