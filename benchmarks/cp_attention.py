@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+from benchmarks import cp_packed
+
 TOLERANCE = {"float32": 1e-4, "float64": 1e-8, "bfloat16": 3e-2, "float16": 5e-3}
 
 
@@ -36,6 +38,10 @@ def parse_args(argv=None):
     p.add_argument("--plot", default=None, help="write a PNG (needs matplotlib)")
     p.add_argument("--sweep", action="store_true", help="also time a sequence-length sweep (for --plot)")
     p.add_argument("--compare", action="store_true", help="add rows for peer implementations when importable")
+    p.add_argument("--packed", type=int, default=0, metavar="N",
+                   help="N packed documents per row: modes run under attention_masks(document_ids=...) "
+                        "against a dense-mask reference (torch)")
+    p.add_argument("--packed-block", type=int, default=256, help="tile size of the masked kernels (--packed)")
     args = p.parse_args(argv)
     problem = _invalid(args)
     if problem:  # one line, exit status 2, before any rank starts
@@ -54,6 +60,9 @@ def _invalid(args):
             return f"--{name.replace('_', '-')} {value}: must be a positive integer"
     if args.warmup < 0:
         return f"--warmup {args.warmup}: must be 0 or more"
+    if args.packed < 0 or args.packed > args.seq or args.packed_block < 1:
+        return (f"--packed {args.packed} / --packed-block {args.packed_block}: documents must be 0 (off) to "
+                f"--seq, the block at least 1")
     if args.kv_heads is not None and args.heads % args.kv_heads:
         return f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads} (grouped-query attention)"
     if args.modes != "all":
@@ -250,6 +259,8 @@ class _Bench:
     def reference(self):
         fw = self.fw
         module = fw.attention(self.args.causal, self.args.kv_heads != self.args.heads)
+        if self.args.packed:
+            module = cp_packed.reference(self.args, fw)
         self.ref = fw.forward_backward(module, self.full, self.grad_out)
         # timed on one process alone where possible, as on a single device
         fwd = self._time_alone(lambda: fw.forward(module, self.full))
@@ -263,10 +274,12 @@ class _Bench:
     def run(self, mode):
         from hyper_parallel.core.comm_mode import CommDebugMode
         fw, a = self.fw, self.args
-        why_not = mode.supported(a, self.world, fw)
+        why_not = mode.supported(a, self.world, fw) or (a.packed and cp_packed.skip_reason(a, mode))
         if why_not:
             return {"mode": mode.name, "skipped": why_not}
         attn = mode.build(a, self.mesh, fw)
+        if a.packed:
+            attn = cp_packed.packed(attn, a, fw)
         blocks = [self._block(t) for t in self.full]
         grad_block = self._block(self.grad_out)
 

@@ -63,7 +63,7 @@ def _leaf(t):
     return t.detach().clone().requires_grad_(True)
 
 
-def _check(mesh, mode, case, layout="bshd", block_size=3, seed=0):
+def _check(mesh, mode, case, layout="bshd", block_size=3, seed=0, hkv=HKV):
     import torch
     import torch.nn.functional as F
     from hyper_parallel import ContextParallel, attention_masks
@@ -72,7 +72,7 @@ def _check(mesh, mode, case, layout="bshd", block_size=3, seed=0):
     documents, pad, causal = CASES[case]
     seq, head = (1, 2) if layout == "bshd" else (2, 1)
     gen = torch.Generator().manual_seed(seed)
-    full = [torch.randn(B, h, S, D, generator=gen) for h in (HQ, HKV, HKV)]
+    full = [torch.randn(B, h, S, D, generator=gen) for h in (HQ, hkv, hkv)]
     w = torch.randn(B, HQ, S, D, generator=gen)
     ids, bounds, padding = _masks()
     refs = [_leaf(t) for t in full]
@@ -96,7 +96,7 @@ def _check(mesh, mode, case, layout="bshd", block_size=3, seed=0):
         kwargs["cu_seqlens"] = bounds
     with attention_masks(**kwargs):
         out = module(*leaves, causal=causal)
-    where = f"{mode} {case} {layout} block={block_size} world={parts}"
+    where = f"{mode} {case} {layout} block={block_size} world={parts} kv_heads={hkv}"
     torch.testing.assert_close(out, ref.chunk(parts, seq)[index], **TOL, msg=lambda m: f"out {where}: {m}")
     (out * w.chunk(parts, seq)[index]).sum().backward()
     for name, leaf, g in zip("qkv", leaves, grads):
@@ -115,15 +115,17 @@ def _all_modes_case(rank, world):
     done = [_check(mesh, mode, case) for mode in _modes(world) for case in CASES]
     done += [_check(mesh, mode, "packed_cu_padding_causal", layout="bnsd", block_size=256)
              for mode in _modes(world)]
+    done += [_check(mesh, mode, "packed_causal", hkv=HQ) for mode in _modes(world)]   # no GQA
     return done
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_masks_every_mode(world):
     """Every mode × {padding, padding+causal, packed, packed+causal, cu_seqlens+padding+causal},
-    forward and dq/dk/dv against single-device SDPA with the dense mask; GQA (4 q / 2 kv heads)."""
+    forward and dq/dk/dv against single-device SDPA with the dense mask; GQA (4 q / 2 kv heads),
+    and packed+causal with 4 kv heads too."""
     done = run_dist(world, _all_modes_case, timeout=900)
-    assert [len(d) for d in done] == [len(_modes(world)) * (len(CASES) + 1)] * world
+    assert [len(d) for d in done] == [len(_modes(world)) * (len(CASES) + 2)] * world
 
 
 def _errors_case(rank, world):

@@ -287,7 +287,7 @@ def test_local_band_matches_global_mask():
     from tests.npu_emulation import visible_keys
 
     rnd = random.Random(0)
-    checked = 0
+    checked = empty = 0
     for _ in range(600):
         mode = rnd.choice([0, 1, 2, 3, 4])
         sq, skv = rnd.randint(1, 12), rnd.randint(1, 12)
@@ -300,8 +300,16 @@ def test_local_band_matches_global_mask():
         mask = torch.rand(sq, skv, generator=gen) < 0.3 if has_mask else None
         glob = visible_keys(mode, pre, nxt, sq, skv, mask)
         glob = torch.ones(sq, skv, dtype=torch.bool) if glob is None else glob
-        k0, k1, mode_l, pre_l, nxt_l = local_band(mode, pre, nxt, has_mask, o, lq, sq, skv)
+        expected = glob[o:o + lq]
+        band = local_band(mode, pre, nxt, has_mask, o, lq, sq, skv)
+        if band is None:   # no row sees a key: the rule emits a placeholder call (empty_rows_call)
+            assert not expected.any(), (mode, pre, nxt, has_mask, o, lq, sq, skv)
+            empty += 1
+            checked += 1
+            continue
+        k0, k1, mode_l, pre_l, nxt_l = band
         assert 0 <= k0 < k1 <= skv
+        assert pre_l >= 0 and nxt_l >= 0, (mode, pre, nxt, o, lq, sq, skv, band)   # documented range
         local_mask = mask[o:o + lq, k0:k1] if (has_mask and mode_l in (0, 1)) else None
         loc = visible_keys(mode_l, pre_l, nxt_l, lq, k1 - k0, local_mask)
         loc = torch.ones(lq, k1 - k0, dtype=torch.bool) if loc is None else loc
@@ -314,7 +322,7 @@ def test_local_band_matches_global_mask():
             assert mode_l == 3                         # left-up causal -> right-down on the prefix
         assert pre_l <= INT_MAX and nxt_l <= INT_MAX
         checked += 1
-    assert checked == 600
+    assert checked == 600 and empty > 0
 
 
 def test_emulation_agrees_with_sdpa():
@@ -431,3 +439,89 @@ def test_missing_torch_npu_is_the_spec_import_error(monkeypatch):
             selection.get_platform()
     finally:
         selection._platform = saved
+
+
+# ============================================================================ packed TND, empty blocks
+def _packed_and_empty_case(rank, world):
+    from tests.npu_emulation import npu_path
+    with npu_path() as torch_npu:
+        return _packed_and_empty_checks(world, torch_npu)
+
+
+def _spy_band(calls):
+    """Record (sparse_mode, pre, next) of every local kernel call (the fake's _impl)."""
+    from tests.npu_emulation import fake_torch_npu
+    impl = fake_torch_npu._impl
+
+    def spy(*args, **kwargs):
+        calls.append((int(kwargs.get("sparse_mode", 0)), int(kwargs.get("pre_tockens", INT_MAX)),
+                      int(kwargs.get("next_tockens", INT_MAX))))
+        return impl(*args, **kwargs)
+    fake_torch_npu._impl = spy
+    return impl
+
+
+def _compare_grads(torch_npu, mesh, placements, layout, kwargs, sq, skv):
+    """Outputs and dq, dk, dv of the DTensor call against the single-device kernel."""
+    from hyper_parallel.core.dtensor import distribute_tensor
+    q, k, v, w = _full_inputs(layout, sq, skv, N)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = torch_npu.npu_fusion_attention(*leaves, N, layout, scale=0.3, **kwargs)
+    (ref[0] * w).sum().backward()
+    dts = [distribute_tensor(t.clone().requires_grad_(True), mesh, [p]) for t, p in zip((q, k, v), placements)]
+    got = torch_npu.npu_fusion_attention(*dts, N, layout, scale=0.3, **kwargs)
+    what = f"{layout} {placements} {kwargs.get('sparse_mode')} {kwargs.get('actual_seq_qlen')}"
+    for i in range(3):
+        _close(got[i].full_tensor(), ref[i], f"output {i} {what}")
+    (got[0] * distribute_tensor(w, mesh, [placements[0]])).sum().backward()
+    for name, dt, leaf in zip("qkv", dts, leaves):
+        _close(dt.grad.full_tensor(), leaf.grad, f"d{name} {what}")
+
+
+def _packed_and_empty_checks(world, torch_npu):
+    """TND with q, k, v all split along T (whole sequences per rank: actual_seq_*len rebased per
+    rank) for every sparse mode; a T split that cuts a sequence is a ValueError on every rank;
+    query blocks that see no key (right-down causal with fewer keys than queries, dense and TND)
+    equal one device, and no local call gets a negative pre/next token count."""
+    from hyper_parallel import init_device_mesh
+    from hyper_parallel.core.dtensor import distribute_tensor
+    from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
+    from tests.npu_emulation import fake_torch_npu
+
+    mesh = init_device_mesh("cpu", (world,))
+    T = Shard(0)
+    # 6 packed sequences; rank ends (T/4 = 4 queries, 6 keys) fall on sequence ends 1, 3, 5
+    cq, ckv = [4, 5, 8, 10, 12, 16], [6, 8, 12, 15, 18, 24]
+    done = 0
+    for case in ("none", "causal2", "causal3", "band4"):
+        kwargs = dict(_sparse_case(case, 16, 24), actual_seq_qlen=cq, actual_seq_kvlen=ckv)
+        _compare_grads(torch_npu, mesh, [T, T, T], "TND", kwargs, 16, 24)
+        done += 1
+    q, k, v, _ = _full_inputs("TND", 16, 24, N)
+    cut = [distribute_tensor(t, mesh, [T]) for t in (q, k, v)]
+    try:
+        torch_npu.npu_fusion_attention(*cut, N, "TND", actual_seq_qlen=TND_Q, actual_seq_kvlen=TND_KV,
+                                       **_sparse_case("causal3", 16, 24))
+    except ValueError as exc:
+        assert "whole" in str(exc) and "sequences" in str(exc), exc
+        done += 1
+
+    calls = []
+    impl = _spy_band(calls)
+    try:
+        R = Replicate()
+        causal3 = _sparse_case("causal3", 16, 4)
+        _compare_grads(torch_npu, mesh, [Shard(1), R, R], "BSND", causal3, 16, 4)   # rows < 12 see nothing
+        tnd = dict(causal3, actual_seq_qlen=[8, 16], actual_seq_kvlen=[2, 6])       # 8 queries, 2 / 4 keys
+        _compare_grads(torch_npu, mesh, [T, R, R], "TND", tnd, 16, 6)
+        band = dict(_sparse_case("band4", 16, 16), pre_tockens=0, next_tockens=0)
+        _compare_grads(torch_npu, mesh, [Shard(2), R, R], "BNSD", band, 16, 16)
+    finally:
+        fake_torch_npu._impl = impl
+    bad = [c for c in calls if c[1] < 0 or c[2] < 0]
+    assert calls and not bad, bad
+    return done + 3
+
+
+def test_packed_tnd_split_and_empty_blocks():
+    assert run_dist(4, _packed_and_empty_case, timeout=600) == [8] * 4

@@ -14,7 +14,13 @@ Per mesh dim the rule picks one of (cheapest first, see ``strategy_search.pick``
   ``[r0, r0+L)`` (from the q layout's ``local_box``, so every half gets its own offset), which
   cuts the keys to the ones those rows can see and re-expresses the band for the cut problem.
 
-Errors (ValueError): key/value split along the sequence (that needs ring attention), head counts
+* TND with query, key and value all split along T alike (data parallelism over packed
+  sequences, as the reference does it): every rank's T range must hold whole sequences (the
+  same ones for q and k/v); the kernel runs on the local tokens with ``actual_seq_qlen`` /
+  ``actual_seq_kvlen`` rebased to the local range (npu_attention_packed.py).
+
+Errors (ValueError): key/value split along the sequence outside that TND case (that needs ring
+attention), a packed TND split that cuts a sequence, head counts
 not divisible by the ranks splitting them, an unknown layout, sequence splits with ``pse`` /
 ``padding_mask``, prefix modes (5-8), or a TND explicit mask; TND cumulative lengths that do not
 cover T.
@@ -24,6 +30,8 @@ from hyper_parallel.core.dtensor.ops.npu_attention_args import (NpuAttentionArgs
                                                                 as_int_list)
 from hyper_parallel.core.dtensor.ops.npu_attention_band import (call_dense_rows, call_tnd_rows, local_band,
                                                                 narrow)
+from hyper_parallel.core.dtensor.ops.npu_attention_packed import (check_packed_split, local_packed_lengths,
+                                                                  packed_split)
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.ops.strategy_search import pick
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
@@ -55,8 +63,13 @@ def npu_fusion_attention_rule(call):
         return OpStrategy(inputs=[None] * len(call.specs),
                           outputs=[tuple(Replicate() for _ in sizes)] * len(_output_shapes(call, geo)))
 
-    q_t, k_t, v_t, out = _choose_placements(a, geo, mode, sizes, specs)
-    seq_split = any(p.is_shard(geo.seq) for p in q_t)
+    packed = packed_split(geo, specs)
+    if packed:
+        q_t, k_t, v_t, out = (list(s.placements) for s in specs + (qs,))
+        check_packed_split(a, geo, call.mesh, specs)
+    else:
+        q_t, k_t, v_t, out = _choose_placements(a, geo, mode, sizes, specs)
+    seq_split = not packed and any(p.is_shard(geo.seq) for p in q_t)
     if seq_split:
         _check_seq_split(a, geo, mode)
     _check_head_split(geo, sizes, q_t)
@@ -72,15 +85,17 @@ def npu_fusion_attention_rule(call):
     shapes = _output_shapes(call, geo)
     outputs = [tuple(out), stats, stats] + [tuple(Replicate() for _ in sizes)] * (len(shapes) - 3)
     q_box = qs.with_placements(tuple(q_t)).local_box()
-    return OpStrategy(inputs=inputs, outputs=outputs, local=_local_call(geo, mode, q_box, seq_split))
+    kv_box = ks.local_box() if packed else None
+    return OpStrategy(inputs=inputs, outputs=outputs, local=_local_call(geo, mode, q_box, seq_split, kv_box))
 
 
 def _check_input_splits(geo, sizes, specs):
     """K/V must not be split along the sequence; head splits must divide both head counts."""
     qs, ks, vs = specs
+    packed = packed_split(geo, specs)
     for m, n in enumerate(sizes):
         for name, spec in (("key", ks), ("value", vs)):
-            if spec.placements[m].is_shard(geo.seq):
+            if spec.placements[m].is_shard(geo.seq) and not packed:
                 raise ValueError(
                     f"npu_fusion_attention: {name} is split along the sequence on mesh dim {m} "
                     f"({spec.placements}); the kernel needs every key of the local queries. Use "
@@ -161,8 +176,9 @@ def _output_shapes(call, geo):
     return shapes
 
 
-def _local_call(geo, mode, q_box, seq_split):
-    """The kernel call on this rank's shards, for q's local box ``q_box`` [(start, size)] per dim."""
+def _local_call(geo, mode, q_box, seq_split, kv_box=None):
+    """The kernel call on this rank's shards, for q's local box ``q_box`` [(start, size)] per dim
+    (``kv_box``: k/v's, when q, k, v are all split along T: packed TND)."""
     def local(call, args, kwargs):
         a = NpuAttentionArgs(args, kwargs)
         head_start, head_count = q_box[geo.head]
@@ -178,6 +194,8 @@ def _local_call(geo, mode, q_box, seq_split):
             if mask.shape[1] > 1:
                 mask = narrow(mask, 1, head_start, head_count)
             changes["atten_mask"] = mask
+        if kv_box is not None:
+            changes.update(local_packed_lengths(a, q_box[geo.seq], kv_box[geo.seq]))
         a = a.replaced(**changes)
         if not seq_split:
             return a.call(call.func)

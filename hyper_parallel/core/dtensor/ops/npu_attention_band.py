@@ -29,7 +29,9 @@ def local_band(mode, pre, nxt, has_mask, o, lq, sq, skv):
     """Rewrite one (sq x skv) attention problem for its query rows [o, o+lq).
 
     Returns (k0, k1, mode, pre, next): the keys [k0, k1) the rows may see and the kernel
-    arguments that give, on the cut problem (lq rows x k1-k0 keys), exactly the global mask."""
+    arguments that give, on the cut problem (lq rows x k1-k0 keys), exactly the global mask; or
+    None when no row of the block sees any key (a band expressing that needs a negative
+    pre/next token count, outside the kernel's documented range: see empty_rows_call)."""
     inf_pre, inf_next = pre >= INT_MAX, nxt >= INT_MAX
     if mode == 1 or (mode == 0 and (not has_mask or (inf_pre and inf_next))):
         return 0, skv, mode, pre, nxt
@@ -47,8 +49,8 @@ def local_band(mode, pre, nxt, has_mask, o, lq, sq, skv):
         raise ValueError(f"npu_fusion_attention: sparse_mode={mode} cannot be split along the sequence")
     k0 = 0 if lo is None else min(max(0, o + lo), skv)
     k1 = skv if hi is None else max(min(skv, o + lq + hi), 0)
-    if k1 <= k0:  # no row of the block sees any key: keep every key, the band says it all
-        k0, k1 = 0, skv
+    if k1 <= k0:
+        return None
     lo_l = None if lo is None else lo + o - k0
     hi_l = None if hi is None else hi + o - k0
     if mode == 0:
@@ -72,10 +74,32 @@ def narrow(t, dim, start, length):
     return t.narrow(dim, start, length).contiguous()
 
 
+def empty_rows_call(func, a, seq=None):
+    """The result for query rows that see no key, from a call with valid arguments only: the rows
+    attend one key with no mask (sparse_mode 0, default pre/next; in TND the caller has already
+    cut every sequence to one key), then the output is 0 and the statistics are those of an empty
+    row (max -inf, sum 0), as the single-device kernel gives for fully masked rows. masked_fill
+    keeps q, k, v in the graph with zero gradients."""
+    one = {"atten_mask": None, "sparse_mode": 0, "pre_tockens": INT_MAX, "next_tockens": INT_MAX}
+    if seq is not None:
+        one["key"], one["value"] = narrow(a["key"], seq, 0, 1), narrow(a["value"], seq, 0, 1)
+    result = a.replaced(**one).call(func)
+    out, row_max, row_sum = result[0], result[1], result[2]
+    everything = out.new_ones(tuple(out.shape)).bool()
+    fixed = [out.masked_fill(everything, 0.0), row_max.new_full(tuple(row_max.shape), float("-inf")),
+             row_sum.new_zeros(tuple(row_sum.shape))]
+    if isinstance(result, list):
+        return fixed + list(result[3:])
+    return tuple(fixed) + tuple(result[3:])
+
+
 def call_dense_rows(func, a, geo, mode, r0, rows):
     """The kernel call for query rows [r0, r0+rows) of a BSH/SBH/BSND/BNSD problem."""
-    k0, k1, new_mode, pre, nxt = local_band(mode, int(a["pre_tockens"]), int(a["next_tockens"]),
-                                            a["atten_mask"] is not None, r0, rows, geo.sq, geo.skv)
+    band = local_band(mode, int(a["pre_tockens"]), int(a["next_tockens"]),
+                      a["atten_mask"] is not None, r0, rows, geo.sq, geo.skv)
+    if band is None:
+        return empty_rows_call(func, a, geo.seq)
+    k0, k1, new_mode, pre, nxt = band
     changes = {}
     if (k0, k1) != (0, geo.skv):
         changes["key"] = narrow(a["key"], geo.seq, k0, k1 - k0)
@@ -110,12 +134,15 @@ def call_tnd_rows(func, a, mode, r0, rows):
                    "key": _gather_rows(platform, a["key"], kv_ranges),
                    "value": _gather_rows(platform, a["value"], kv_ranges),
                    "actual_seq_qlen": _cumulative_q(cq, r0, rows, row, n_rows), "actual_seq_kvlen": kv_lens}
+        row += n_rows
+        if new_mode is None:   # these sequences' local rows see no key
+            results.append(empty_rows_call(func, a.replaced(**changes)))
+            continue
         if new_mode != mode:
             changes["sparse_mode"] = new_mode
         if (pre, nxt) != (pre0, next0):
             changes["pre_tockens"], changes["next_tockens"] = pre, nxt
         results.append(a.replaced(**changes).call(func))
-        row += n_rows
     if len(results) == 1:
         return results[0]
     first = results[0]
@@ -135,8 +162,10 @@ def _tnd_groups(a, mode, r0, rows):
     for q_end, kv_end in zip(cq, ckv):
         lo, hi = max(q_start, r0), min(q_end, r0 + rows)
         if lo < hi:
-            k0, k1, new_mode, pre, nxt = local_band(mode, pre0, next0, False, lo - q_start, hi - lo,
-                                                    q_end - q_start, kv_end - kv_start)
+            band = local_band(mode, pre0, next0, False, lo - q_start, hi - lo, q_end - q_start,
+                              kv_end - kv_start)
+            # rows that see no key keep one key of their sequence for the (valid) placeholder call
+            k0, k1, new_mode, pre, nxt = band if band is not None else (0, 1, None, None, None)
             key = (new_mode, pre, nxt)
             if not groups or groups[-1][0] != key:
                 groups.append([key, 0, []])
