@@ -64,4 +64,9 @@ def test_checkpoint_save_sharded_load_anywhere(tmp_path):
 
 
 def test_checkpoint_resume_training_on_another_layout(tmp_path):
-    assert run_ms(4, cases.checkpoint_resume, str(tmp_path / "resume")) == [True] * 4
+    directory = str(tmp_path / "resume")
+    assert run_ms(4, cases.checkpoint_resume, directory) == [True] * 4
+    # a 2-rank save into the directory of a 4-rank save: the stale rank2/rank3 files go
+    assert run_ms(2, cases.checkpoint_save, directory) == [True, True]
+    assert sorted(os.listdir(directory)) == ["rank0.ckpt", "rank0.layout.json", "rank1.ckpt",
+                                             "rank1.layout.json"]

@@ -21,6 +21,7 @@ local blocks, under the parameters' names) and ``rank{r}.layout.json``::
 """
 import json
 import os
+import re
 
 import numpy as np
 
@@ -97,6 +98,7 @@ def save_layout_checkpoint(module, directory):
         if record is not None:
             records[name] = record
     os.makedirs(directory, exist_ok=True)
+    _remove_stale(directory, platform.get_world_size())
     platform.save_tensor_file(os.path.join(directory, f"rank{rank}.ckpt"),
                               {name: local for name, (_, local) in records.items()})
     layout = {"format": FORMAT, "rank": rank, "world_size": platform.get_world_size(),
@@ -174,11 +176,22 @@ def read_layouts(directory):
             raise ValueError(f"{f}: unknown checkpoint format {layout.get('format')!r} (expected {FORMAT})")
         layouts.append(layout)
     expected = layouts[0]["world_size"]
-    if len(layouts) != expected:
-        raise ValueError(f"{directory!r} has {len(layouts)} rank layout files but "
-                         f"was saved by {expected} ranks: "
-                         f"copy every rank's rank*.ckpt and rank*.layout.json into it")
+    ranks = sorted(layout["rank"] for layout in layouts)
+    if ranks != list(range(expected)) or any(layout["world_size"] != expected for layout in layouts):
+        raise ValueError(f"{directory!r} holds layout files of ranks {ranks} saved by "
+                         f"{sorted({layout['world_size'] for layout in layouts})} ranks: copy every rank's "
+                         f"rank*.ckpt and rank*.layout.json of one save into it, and nothing else")
     return layouts
+
+
+def _remove_stale(directory, world_size):
+    """A save by fewer ranks into a directory that held a larger save: each rank removes the
+    files of the ranks ``world_size + rank``, ``2 * world_size + rank``... (no rank reads them)."""
+    rank = get_platform().get_rank()
+    for f in os.listdir(directory):
+        match = re.fullmatch(r"rank(\d+)\.(ckpt|layout\.json)", f)
+        if match and int(match.group(1)) >= world_size and int(match.group(1)) % world_size == rank:
+            os.remove(os.path.join(directory, f))
 
 
 def _target(param):
