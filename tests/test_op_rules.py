@@ -111,6 +111,13 @@ def _loss_and_index_cases():
         "scatter_add": (lambda: _inputs((6, 5), (6, 2), ints=[_ids((6, 2), 5)]),
                         lambda x, s, i: torch.scatter_add(x, 1, i, s),
                         [[0, 0, "R"], ["R", "R", 0], [1, "R", "R"]]),
+        # where / masked_fill are elementwise: exact for every placement and broadcast
+        "where_broadcast": (lambda: _inputs((5, 7), (7,), ints=[_ids((5, 1), 2) == 1]),
+                            lambda x, y, c: torch.where(c, x, y),
+                            [[0, "R", "R"], ["P", 0, "R"], [1, 0, 0], ["R", "P", 0]]),
+        "masked_fill_broadcast": (lambda: _inputs((5, 7), ints=[_ids((7,), 2) == 1]),
+                                  lambda x, m: x.masked_fill(m, -1.5),
+                                  [[0, "R"], [1, 0], ["P", "R"], ["R", 0]]),
         "new_zeros_same": (lambda: _inputs((7, 5)), lambda x: x.new_zeros(7, 5), [[0], [1], ["P"]]),
         "new_full_other": (lambda: _inputs((7, 5)), lambda x: x.new_full((3, 4), 2.5), [[0]]),
         "new_ones_other": (lambda: _inputs((7, 5)), lambda x: x.new_ones((2,)) + 1, [[1]]),
