@@ -36,6 +36,11 @@ def test_data_parallel_times_tensor_parallel_four_ranks():
     assert losses[0] == losses[1] and losses[2] == losses[3] and losses[0] != losses[2]
 
 
+def test_data_parallel_over_flattened_dp_cp_mesh():
+    losses = run_ms(4, cases.data_parallel_train, 1, flatten=True)
+    assert len({tuple(v) for v in losses}) == 4     # four different batch slices
+
+
 def test_data_parallel_no_sync_sum_and_errors():
     assert run_ms(2, cases.data_parallel_details) == [True, True]
 

@@ -107,15 +107,23 @@ def _dp_losses(losses, mesh):
     return [float(v) for v in out.asnumpy()]
 
 
-def data_parallel_train(rank, world_size, tp_size, steps=3, lr=0.05):
+def data_parallel_train(rank, world_size, tp_size, steps=3, lr=0.05, flatten=False):
     """``world_size // tp_size`` data-parallel ranks (each a slice of the batch) x ``tp_size`` TP
     ranks: losses per step, the reduced gradients of step 1 and the parameters after ``steps``
-    Adam steps equal one process on the whole batch."""
+    Adam steps equal one process on the whole batch. ``flatten``: no TP, a (dp, cp) mesh whose
+    flattened dp x cp mesh is the data-parallel one (every rank a different slice)."""
     import mindspore as ms
     from hyper_parallel import data_parallel, init_device_mesh
     dp_size = world_size // tp_size
     mesh = init_device_mesh("cpu", (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
     dp_rank, tp_rank = mesh.get_coordinate()
+    if flatten:
+        grid = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "cp"))
+        dp_mesh = grid["dp", "cp"].flatten()
+        assert dp_mesh.ndim == 1 and dp_mesh.size() == world_size
+        dp_rank = dp_mesh.get_coordinate()[0]
+    else:
+        dp_mesh = mesh["dp"]
     xs, ys = inp("trainx", 0, (BATCH, E)), inp("trainy", 0, (BATCH, E))
     ref_losses, ref_grads, ref_params = _reference_steps(None, xs, ys, steps, lr)
     net, _ = _mlp()
@@ -126,12 +134,12 @@ def data_parallel_train(rank, world_size, tp_size, steps=3, lr=0.05):
     loss_cell = _Loss(net, y)
     params = net.trainable_params()
     step = ms.nn.TrainOneStepCell(loss_cell, ms.nn.Adam(params, learning_rate=lr))
-    assert data_parallel(step, mesh["dp"]) is step
+    assert data_parallel(step, dp_mesh) is step
     grads = step.grad_reducer(ms.grad(loss_cell, None, params)(x))
     for p, g in zip(params, grads):
         close(g, _piece(ref_grads[p.name], p.name, tp_rank, tp_size), f"reduced gradient of {p.name}")
     losses = [float(step(x).asnumpy()) for _ in range(steps)]
-    close(_dp_losses(losses, mesh["dp"]), ref_losses, "per-step global loss")
+    close(_dp_losses(losses, dp_mesh), ref_losses, "per-step global loss")
     for p in params:
         close(p, _piece(ref_params[p.name], p.name, tp_rank, tp_size), f"{p.name} after {steps} steps")
     return losses
