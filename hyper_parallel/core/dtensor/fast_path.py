@@ -27,9 +27,6 @@ from hyper_parallel.core.dtensor.dtensor import DTensor, GradPassThrough, _from_
 from hyper_parallel.core.dtensor.interceptors import _stack, involved
 from hyper_parallel.platform import get_platform
 
-# bound once at import (not per call): this module's functions run on every op
-_platform = get_platform()
-_is_grad_enabled = _platform.is_grad_enabled
 _make = DTensor._make
 # the platform's lean wrapper constructor, if it has one (``DTensor._make`` does the same, slower)
 _new = getattr(DTensor, "_hp_fast_new", None)
@@ -54,7 +51,7 @@ class _Entry:
 
 def _plain_value(value):
     """A hashable non-tensor value (a dtype, a tuple of ints...) that can stand in a key."""
-    if _platform.is_tensor(value) or isinstance(value, (list, dict, set)):
+    if get_platform().is_tensor(value) or isinstance(value, (list, dict, set)):
         return False
     if isinstance(value, tuple) and not all(type(v) in _SCALARS for v in value):
         return False
@@ -128,7 +125,7 @@ def dispatch(name, func, args, kwargs):
     if entry is None or (_stack.get() and involved(list(args)) is not None):
         return _miss(name, func, args, kwargs, key, entry)
     STATS["fast_hits"] += 1
-    if tracked and _is_grad_enabled():
+    if tracked and get_platform().is_grad_enabled():
         return _run_differentiable(entry, func, args, kwargs)
     out = func(*local_args, **kwargs) if kwargs else func(*local_args)
     if _new is None:
