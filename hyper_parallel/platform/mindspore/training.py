@@ -10,6 +10,9 @@ MindSpore hands gradients to the training step as one tuple, in the optimizer's 
 through per-parameter hooks as torch does; so data parallelism here replaces that ``grad_reducer``
 Cell instead of hooking backward.
 """
+import functools
+import os
+
 import numpy as np
 
 import mindspore as ms
@@ -37,6 +40,36 @@ class _GradReducerCell(ms.nn.Cell):
         return self._reduce_fn(grads)
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+
+
+def _rephrased(compile_fn):
+    """``compile_fn`` (MindSpore's graph compilation) with parse errors raised inside
+    hyper_parallel's code (MindSpore's message then lists our files) turned into hyper_parallel's
+    error; every other error passes unchanged."""
+    @functools.wraps(compile_fn)
+    def compile_(*args, **kwargs):
+        try:
+            return compile_fn(*args, **kwargs)
+        except (RuntimeError, TypeError) as exc:
+            if _PACKAGE_DIR not in str(exc):
+                raise
+            first = str(exc).strip().split("\n")[0]
+            raise RuntimeError(f"MindSpore compiled hyper_parallel's code in GRAPH_MODE or under ms.jit "
+                               f"({first}). {GRAPH_MODE_MESSAGE}") from exc
+    compile_._hp_rephrased = True
+    return compile_
+
+
+def install_graph_compile_errors():
+    """Once per process: the compilers of GRAPH_MODE Cells and of ``ms.jit`` functions raise the
+    hyper_parallel error when what they parse reaches a parallelized Cell's hooks."""
+    from mindspore.graph.api import _JitExecutor
+    for owner in (ms.nn.Cell, _JitExecutor):
+        if not getattr(owner.compile, "_hp_rephrased", False):
+            owner.compile = _rephrased(owner.compile)
+
+
 def _graph_mode_refusal(who):
     def refuse(*args, **kwargs):
         raise RuntimeError(f"{who} called in GRAPH_MODE. {GRAPH_MODE_MESSAGE}")
@@ -55,6 +88,10 @@ class MindSporeTrainingSupport:
 
     # gradients reach the training step as a tuple (core: data_parallel_tuple), not through hooks
     gradients_as_tuple = True
+
+    def __init__(self):
+        super().__init__()
+        install_graph_compile_errors()
 
     @staticmethod
     def check_execution_mode(who):
