@@ -17,6 +17,7 @@ process and exits 1 unless every step's loss matches to 1e-5 (fp32).
 import argparse
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -244,7 +245,11 @@ def launch(argv, world, timeout=1800):
     except subprocess.TimeoutExpired:
         procs[0].kill()
     _show(os.path.join(logs, "rank0.log"), shown)
-    if code:
+    for f in files:
+        f.close()
+    if not code:
+        shutil.rmtree(logs, ignore_errors=True)
+    else:
         for r in range(1, world):
             tail = _filtered(os.path.join(logs, f"rank{r}.log"))[-3000:]
             print(f"--- rank {r} (exit {procs[r + 1].poll()}):\n{tail}")
