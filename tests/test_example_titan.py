@@ -43,3 +43,18 @@ def test_titan_example_rejects_unsplittable_sizes():
     done = _run("--cp", "2", "--tp", "3", *TINY)
     assert done.returncode != 0
     assert "ValueError" in done.stderr and "--tp 3 must divide --heads 4" in done.stderr, done.stderr
+
+
+def test_titan_example_rejects_attention_it_cannot_split():
+    """Only torchtitan's SDPA inner attention is split (its default FlexAttention takes a block
+    mask ContextParallel does not shard): anything else is a ValueError naming the layer, raised
+    before the mesh is touched."""
+    import importlib.util as iu
+    import torch
+    spec = iu.spec_from_file_location("train_llama_titan", EXAMPLE)
+    example = iu.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = example.build_model(example.parse_args(TINY))
+    model.layers["1"].attention.inner_attention = torch.nn.Identity()
+    with pytest.raises(ValueError, match=r"layers\.1\.attention\.inner_attention is Identity"):
+        example.parallelize(model, None, "ulysses")
