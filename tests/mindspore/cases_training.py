@@ -77,6 +77,7 @@ def factories(rank, world_size):
             close(dt.full_tensor(), getattr(ops, name)(6, 4), f"{name} {placements}", rtol=0, atol=0)
     assert hp.empty((4, 2), device_mesh=mesh, dtype=ms.float64).to_local().dtype == ms.float64
     assert hp.zeros(3, device_mesh=mesh).dtype == ms.float32
+    assert hp.randn(4, device_mesh=mesh, placements=[Shard(0)], requires_grad=True).requires_grad
     with mesh:
         dt = hp.ones(4, 2, placements=[Shard(0)])
     assert tuple(dt.to_local().shape) == (4 // world_size, 2)
