@@ -64,7 +64,10 @@ def _rephrased(compile_fn):
 def install_graph_compile_errors():
     """Once per process: the compilers of GRAPH_MODE Cells and of ``ms.jit`` functions raise the
     hyper_parallel error when what they parse reaches a parallelized Cell's hooks."""
-    from mindspore.graph.api import _JitExecutor
+    try:  # MindSpore 2.10; earlier releases kept it in mindspore.common.api
+        from mindspore.graph.api import _JitExecutor
+    except ImportError:
+        from mindspore.common.api import _JitExecutor
     for owner in (ms.nn.Cell, _JitExecutor):
         if not getattr(owner.compile, "_hp_rephrased", False):
             owner.compile = _rephrased(owner.compile)
