@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+from benchmarks import rss_peak
+
 from benchmarks import cp_packed
 
 TOLERANCE = {"float32": 1e-4, "float64": 1e-8, "bfloat16": 3e-2, "float16": 5e-3}
@@ -126,6 +128,7 @@ def rank_main(args):
 def run_rank(args):
     from benchmarks.cp_frameworks import framework_ops
     from benchmarks.cp_modes import MODES
+    from benchmarks.cp_ring_overlap import format_line, ring_overlap_line
     from benchmarks.cp_report import format_notes, header, notes, plot, table, write_json
     from hyper_parallel import init_device_mesh
     from hyper_parallel.platform import get_platform
@@ -151,14 +154,16 @@ def run_rank(args):
             print(f"[{i + 1}/{len(modes)}] {mode.name} ...", file=sys.stderr, flush=True)
         rows.append(bench.run(mode))
     rows += no_peers
+    ring_row = next((r for r in rows if r["mode"] == "ring"), None)
+    ring_line = ring_overlap_line(bench, ring_row) if fw.name == "torch" else None
     sweep = bench.sweep(modes) if args.sweep else []
     failed = [r["mode"] for r in rows if not r.get("skipped") and not r["ok"]]
     if lead:
         remarks = notes(rows, platform.capabilities(), fw)
-        print("\n".join([table(rows)] + format_notes(remarks)), flush=True)
+        print("\n".join([table(rows)] + format_line(ring_line) + format_notes(remarks)), flush=True)
         payload = {"title": f"CP attention, world {world}, S={args.seq}", "world": world,
                    "platform": platform.name, "capabilities": platform.capabilities(), "config": vars(args),
-                   "rows": rows, "notes": remarks, "sweep": sweep, "tolerance": TOLERANCE[args.dtype]}
+                   "rows": rows, "ring_overlap": ring_line, "notes": remarks, "sweep": sweep, "tolerance": TOLERANCE[args.dtype]}
         if args.json:
             write_json(args.json, payload)
         if args.plot:
@@ -221,6 +226,9 @@ class _Bench:
             return None
         if not here:
             return 0
+        if self.platform.device_type == "cpu" and rss_peak.available():
+            # the process's RSS high-water mark: kernel-internal buffers count too
+            return rss_peak.rss_peak_bytes(lambda: (fn(), self.platform.synchronize()))
         with self.platform.track_peak_memory() as mem:
             fn()
             self.platform.synchronize()

@@ -68,6 +68,9 @@ def free_port():
 def _spawn_torch(args):
     import torch.multiprocessing as mp
     port = free_port()
+    from benchmarks.rss_peak import MMAP_THRESHOLD
+    # freed buffers must leave RSS for the peak-memory column (benchmarks/rss_peak.py)
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", MMAP_THRESHOLD)
     print(f"spawning {args.nproc} local ranks (no launcher environment found)", file=sys.stderr, flush=True)
     context = mp.start_processes(_torch_rank, args=(args, port), nprocs=args.nproc, join=False,
                                  start_method="spawn")

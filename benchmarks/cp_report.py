@@ -1,5 +1,6 @@
 """Printing, JSON and plots for the context-parallel benchmark."""
 import json
+import os
 import textwrap
 
 # (title, width, formatter)
@@ -60,6 +61,11 @@ def notes(rows, capabilities, fw):
     if fw.solo_timing_unsupported:
         out.append(f"note: reference timed on every rank at once, not on rank 0 alone: "
                    f"{fw.solo_timing_unsupported}.")
+    from benchmarks import rss_peak
+    if not fw.peak_memory_unsupported and rss_peak.available():
+        out.append("note: peak mem is the process RSS high-water mark (VmHWM) during one fwd+bwd minus the RSS "
+                   f"before it (MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}); "
+                   "on accelerators the allocator's peak.")
     if fw.peak_memory_unsupported:
         out.append(f"note: peak mem not measured: {fw.peak_memory_unsupported}.")
     return out

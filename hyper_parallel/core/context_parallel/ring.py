@@ -5,7 +5,9 @@ Forward, P steps: start sending the current K/V block to the next rank, attend t
 to it (skipping blocks wholly above the causal diagonal, the causal kernel on the diagonal), merge
 in float32, then take the block that arrived. Backward recomputes each block's gradients from the
 saved output and log-sum-exp; dK/dV accumulators travel with their blocks (P-1 hops, the last one
-home), so backward moves twice the forward bytes and keeps the same memory bound.
+home), in the input dtype, so backward moves twice the forward bytes and keeps the same memory bound.
+Both hops overlap compute: a step starts the next K/V hop before its kernels and takes the dK/dV
+accumulator sent during the previous step only after them.
 
 With ``zigzag`` each rank holds two sequence chunks (ids 2r and 2P-1-2r of 2P, see load_balance.py)
 so every rank does the same causal work.
