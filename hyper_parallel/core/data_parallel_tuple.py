@@ -65,9 +65,13 @@ class TupleGradReducer:
         grads = tuple(grads)
         locals_ = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
         reduced = list(locals_)
-        for bucket in self._buckets(locals_):
-            flat = self.platform.cat([locals_[i].reshape(-1) for i in bucket], 0)
-            flat = self.platform.all_reduce(flat, self.group, op=self.op, tag="dp_all_reduce")
+        # every bucket's all-reduce is started before the first is waited for (they overlap where
+        # the backend runs collectives asynchronously)
+        pending = [(bucket, self.platform.all_reduce(
+            self.platform.cat([locals_[i].reshape(-1) for i in bucket], 0), self.group, op=self.op,
+            async_op=True, tag="dp_all_reduce")) for bucket in self._buckets(locals_)]
+        for bucket, handle in pending:
+            flat = handle.wait()
             offset = 0
             for i in bucket:
                 n = locals_[i].numel()

@@ -155,7 +155,10 @@ def data_parallel_details(rank, world_size):
     net, _ = _mlp()
     loss_cell = _Loss(net, inp("dety", rank, (2, E)))
     params = net.trainable_params()
-    data_parallel(loss_cell, mesh, average=False)       # a plain Cell: the reducer is grad_reducer_fn
+    # a plain Cell: the reducer is grad_reducer_fn; ~200-byte buckets: two of two tensors
+    data_parallel(loss_cell, mesh, average=False, bucket_mb=2e-4)
+    assert [len(b) for b in loss_cell.grad_reducer_fn._buckets(
+        [p for p in net.trainable_params()])] == [2, 2], "bucketing"
     local = ms.grad(loss_cell, None, params)(x)         # the Cell stays differentiable as before
     with loss_cell.no_sync():
         same = loss_cell.grad_reducer_fn(local)
