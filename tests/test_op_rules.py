@@ -42,6 +42,10 @@ def _linear_algebra_cases():
                     [["R", 0, 0], [1, 1, "R"], ["R", 2, 1], [2, "R", 2]]),
         "addmv": (lambda: _inputs((5,), (5, 6), (6,)), torch.addmv, [["R", 0, "R"], ["R", 1, 0]]),
         "mv": (lambda: _inputs((5, 6), (6,)), torch.mv, [[0, "R"], [1, 0]]),
+        # a size-1 input broadcast against a product whose piece is empty on the last rank
+        "addmv_broadcast": (lambda: _inputs((1,), (5, 6), (6,)), torch.addmv, [["R", 0, "R"], ["P", 0, 0]]),
+        "addmm_broadcast": (lambda: _inputs((1, 7), (5, 6), (6, 7)), torch.addmm,
+                            [["R", 0, "R"], [1, "R", 1]]),
         "einsum_attention": (lambda: _inputs((2, 5, 6, 3), (2, 5, 7, 3)),
                              lambda q, k: torch.einsum("bhqd,bhkd->bhqk", q, k),
                              [[1, 1], [3, 3], [2, "R"], ["P", "R"]]),

@@ -5,7 +5,9 @@ The product takes the matmul rule's layout (its candidates and cost search, matm
 replicated), Replicate, or — when the product is a Partial sum of per-rank pieces — the same
 Partial, which holds the value on one rank and zeros elsewhere for ``sum`` (the whole value for
 ``avg``), so that it is added exactly once. A 0-dim plain ``input`` cannot be split that way: a
-Partial product is then reduced first.
+Partial product is then reduced first. The added input is expanded to the local product's shape
+before the op runs: torch's kernels do not broadcast a size-1 input against an EMPTY product
+(an uneven shard's empty piece) and would return a piece of the wrong shape.
 """
 from hyper_parallel.core.dtensor.ops.elementwise import to_input
 from hyper_parallel.core.dtensor.ops.matmul import _Dims, _plan
@@ -43,7 +45,15 @@ def addmm_rule(call):
     inputs[call.index(a)], inputs[call.index(b)] = pa, pb
     if bias_spec is not None:
         inputs[call.index(bias)] = tuple(_bias_placement(p, bias_spec.shape, out_shape) for p in out)
-    return OpStrategy(inputs=inputs, outputs=out)
+    return OpStrategy(inputs=inputs, outputs=out, local=_expanded_local if bias_spec is not None else None)
+
+
+def _expanded_local(call, args, kwargs):
+    keys = _NAMES[call.name]
+    values = [args[i] if i < len(args) else kwargs.pop(k) for i, k in enumerate(keys)]
+    bias, a, b = values
+    product_shape = tuple(a.shape[:-1]) + (tuple(b.shape[-1:]) if b.ndim > 1 else ())
+    return call.func(bias.expand(product_shape), a, b, *args[3:], **kwargs)
 
 
 __all__ = ["addmm_rule"]
