@@ -27,11 +27,24 @@ def _args(call, third):
     x, dim, index = call.arg(0, "input"), call.arg(1, "dim"), call.arg(2, "index")
     other = call.arg(3, third) if third else None
     spec = call.spec(x)
+    if spec is None and getattr(x, "ndim", None) == 0 and isinstance(dim, int):
+        return x, 0, index, other  # a 0-dim plain input beside DTensor indices: _zero_dim replicates
     if spec is None or call.index(x) != 0 or not isinstance(dim, int) or isinstance(dim, bool):
         return None
-    if spec.ndim == 0 or not hasattr(index, "ndim") or (call.spec(index) is None and index.ndim > 0):
+    if not hasattr(index, "ndim") or (call.spec(index) is None and index.ndim > 0):
         return None
-    return x, dim % spec.ndim, index, other
+    return x, dim % max(spec.ndim, 1), index, other
+
+
+def _zero_dim(call, x):
+    spec = call.spec(x)
+    return spec is None or spec.ndim == 0
+
+
+def _replicated(call):
+    """0-dim inputs (nothing to split): every DTensor input replicated."""
+    rep = (Replicate(),) * call.mesh_ndim
+    return OpStrategy(inputs=[rep] * len(call.specs), outputs=rep)
 
 
 def _index_placements(call, index):
@@ -54,6 +67,8 @@ def index_select_rule(call):
     if parsed is None:
         return None
     x, d, index, _ = parsed
+    if _zero_dim(call, x):
+        return _replicated(call)
     xs, index_1d = call.spec(x), index.ndim == 1
     per_dim, out = [], []
     for px, pj in zip(xs.placements, _index_placements(call, index)):
@@ -85,6 +100,8 @@ def gather_rule(call):
     if parsed is None:
         return None
     x, d, index, _ = parsed
+    if _zero_dim(call, x):
+        return _replicated(call)
     xs, js = call.spec(x), call.spec(index)
     if js is None or js.ndim != xs.ndim:
         return None
@@ -115,6 +132,8 @@ def scatter_rule(call):
     if parsed is None:
         return None
     x, d, index, src = parsed
+    if _zero_dim(call, x):
+        return _replicated(call)
     specs = [call.spec(t) for t in (x, index, src) if call.spec(t) is not None]
     if any(s.ndim != specs[0].ndim for s in specs):
         return None
