@@ -55,6 +55,9 @@ def _linear_algebra_cases():
         "cat_kv_cache": (lambda: _inputs((2, 5, 6, 3), (2, 5, 1, 3)), lambda k, new: torch.cat([k, new], 2),
                          [[1, 1], [2, "R"], [2, 2]]),
         "slice_seq": (lambda: _inputs((2, 5, 7, 3)), lambda k: k[:, :, 2:6], [[1], [2]]),
+        # torchtitan's RoPE: pairs as complex numbers times the frequencies, back to real (heads split)
+        "rope_complex": (lambda: _inputs((2, 6, 5, 4)) + [_freqs_cis(6, 2)], _rope,
+                         [[2, "R"], [1, 0], [0, "R"]]),
     }
 
 
@@ -132,6 +135,18 @@ def _case_table():
     """name -> (inputs builder, op, layouts); a layout: per input, "R", "P" (Partial sum) or an int
     (Shard(dim)), applied on one mesh dim at a time (the others replicated)."""
     return {**_linear_algebra_cases(), **_reduction_cases(), **_loss_and_index_cases()}
+
+
+def _freqs_cis(seq, half):
+    import torch
+    angles = torch.outer(torch.arange(seq, dtype=torch.float32), 1.0 / (10000 ** (torch.arange(half) / half)))
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def _rope(x, freqs):
+    import torch
+    pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs.view(1, freqs.shape[0], 1, freqs.shape[1])).flatten(3)
 
 
 def _with_infs():
