@@ -28,12 +28,10 @@ def _run(*args, timeout=420):
                           text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("layout", [
-    ["--cp", "2", "--tp", "2", "--mode", "ulysses"],                          # TP+SP × Ulysses
-    ["--dp", "2", "--cp", "2", "--mode", "ring-zigzag", "--kv-heads", "2"],  # DP × ring, GQA
-])
-def test_titan_example_matches_one_process(layout):
-    done = _run(*layout, *TINY, "--check")
+def test_titan_example_matches_one_process():
+    # one 4-rank run (each rank imports torchtitan: ~10 s of CPU): TP+SP with GQA (one k/v head per
+    # TP rank) under zigzag ring CP; DP is the same data_parallel the HF example's test covers
+    done = _run("--cp", "2", "--tp", "2", "--mode", "ring-zigzag", "--kv-heads", "2", *TINY, "--check")
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     assert "[2/2] loss" in done.stdout and "max |loss - single-process loss|" in done.stdout, out
