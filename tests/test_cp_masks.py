@@ -11,6 +11,7 @@ the kernels cut, skip and mask tiles at odd places; one case runs the default ti
 import pytest
 
 from tests.harness import run_dist
+from tests.harness.frameworks import framework_worlds, run_on
 
 B, S, HQ, HKV, D = 2, 16, 4, 2, 4
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -213,3 +214,14 @@ def test_flex_attention_clear_error():
     ValueError naming the supported kernels instead of a TorchDynamo failure deep in tracing."""
     seen = run_dist(2, _flex_case, timeout=600)
     assert seen[0] == seen[1] and len(seen[0]) == 6
+
+
+# ============================================================================ both frameworks
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("framework,world", framework_worlds(2, mindspore=(2,)))
+def test_masks_on_both_frameworks(framework, world):
+    """Ulysses, all-gather ± load balance, ring ± zigzag × {padding, packed, packed+causal} with
+    the framework-neutral case (tests/cases/cp_masks.py): torch and MindSpore ranks."""
+    from tests.cases import cp_masks
+    done = run_on(framework, world, cp_masks.every_mode, timeout=1400)
+    assert [len(d) for d in done] == [len(cp_masks.MODES) * len(cp_masks.CASES)] * world

@@ -50,8 +50,11 @@ def merge(acc, out, lse):
     if acc is None:
         return out, lse
     acc_out, acc_lse = acc
-    new = acc_lse.logaddexp(lse)
-    dead = new == NEG_INF
+    # log(e^a + e^b) by hand: MindSpore's logaddexp(-inf, -inf) is NaN, not -inf
+    top = acc_lse.maximum(lse)
+    dead = top == NEG_INF
+    shift = top.masked_fill(dead, 0.0)
+    new = ((acc_lse - shift).exp() + (lse - shift).exp()).log() + shift
     w_acc = (acc_lse - new).exp().masked_fill(dead, 0.0).unsqueeze(-1)
     w_new = (lse - new).exp().masked_fill(dead, 0.0).unsqueeze(-1)
     return acc_out * w_acc + out * w_new, new
@@ -153,7 +156,9 @@ def empty_result(q, v):
     """(out, lse) of rows that see no key: 0 and -inf (torch's SDPA gives 0 for a fully masked row)."""
     shape = tuple(q.shape[:-1])
     dtype = _lse_dtype(q)
-    return q.new_zeros(shape + (v.shape[-1],), dtype=dtype), q.new_full(shape, NEG_INF, dtype=dtype)
+    # new_zeros + masked_fill, not new_full: MindSpore's new_full is Ascend-only
+    lse = q.new_zeros(shape, dtype=dtype)
+    return q.new_zeros(shape + (v.shape[-1],), dtype=dtype), lse.masked_fill(lse == 0, NEG_INF)
 
 
 def _autograd_forward(ctx, q, k, v, masks, rows, q_span, k_span, causal, scale):
