@@ -82,6 +82,8 @@ def _reduction_cases():
                             [[0]]),
         "vector_norm_half": (lambda: _inputs((7, 5)), lambda x: torch.linalg.vector_norm(x, 0.5, 0),
                              [[0], [1]]),
+        "torch_norm_fro": (lambda: _inputs((7, 5)), lambda x: torch.norm(x), [[0], [1]]),
+        "tensor_norm_dim": (lambda: _inputs((7, 5)), lambda x: x.norm(3, 0, keepdim=True), [[0], [1]]),
         "argmax": (lambda: _inputs((7, 5)), lambda x: torch.argmax(x, 0), [[0], [1]]),
         "argmin_all": (lambda: _inputs((7, 5)), torch.argmin, [[0]]),
         "topk": (lambda: _inputs((7, 5)), lambda x: torch.topk(x, 2, dim=1), [[0], [1]]),

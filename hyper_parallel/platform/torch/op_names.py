@@ -60,6 +60,7 @@ _EXPLICIT = {
     "std_mean": [torch.std_mean],
     "logsumexp": [torch.logsumexp, torch.Tensor.logsumexp, torch.special.logsumexp],
     "vector_norm": [torch.linalg.vector_norm],
+    "norm": [torch.norm, torch.Tensor.norm],
     "index_select": [torch.index_select, torch.Tensor.index_select],
     "gather": [torch.gather, torch.Tensor.gather],
     "scatter": [torch.scatter, torch.Tensor.scatter, torch.scatter_add, torch.Tensor.scatter_add,

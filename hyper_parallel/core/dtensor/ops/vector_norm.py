@@ -1,4 +1,5 @@
-"""linalg.vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None).
+"""linalg.vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None), and torch.norm / Tensor.norm
+where they compute a vector norm.
 
 Shards of dims that are not reduced stay. A mesh dim splitting a reduced dim is combined exactly
 from per-rank pieces:
@@ -6,11 +7,9 @@ from per-rank pieces:
 * finite ``ord >= 1``: ``(all_reduce_sum(sum_local |x|^ord))^(1/ord)``, the all-reduce with an
   identity backward (the norm is Replicate there). The gradient is torch's
   ``sgn(x) |x|^(ord-1) / norm^(ord-1)``, and zero where the norm is zero, as torch's.
-* ``ord = +-inf``: the local max / min of ``|x|``, then an all-reduce max / min (the amax rule's
-  collective: the gradient goes to the rank(s) holding the winning value).
-* any other ord (0, fractional below 1, negative): the reduced dims are gathered.
-
-A mesh dim leaving some rank an empty piece of a reduced dim is gathered (no local max).
+* any other ord (0, fractional below 1, negative, ``+-inf``): the reduced dims are gathered. (An
+  all-reduce max would do for ``inf``, but torch's gradient at a NaN input, which picks no element,
+  is not what a per-rank max-and-route gives.)
 A Partial input is reduced first.
 """
 import math
@@ -30,19 +29,40 @@ def _value(call, i, default):
 
 @register_rule("vector_norm")
 def vector_norm_rule(call):
-    x = _value(call, 0, None)
+    if "out" in call.kwargs:
+        return None
+    return _norm_strategy(call, _value(call, 0, None), _value(call, 1, 2), _value(call, 2, None),
+                          bool(_value(call, 3, False)))
+
+
+@register_rule("norm")
+def norm_rule(call):
+    """``torch.norm`` / ``Tensor.norm(p="fro", dim=None, keepdim=False)``: a vector norm whenever
+    torch computes one (a number ``p``; ``"fro"`` over at most two dims is the 2-norm); matrix norms
+    ("nuc", or "fro" over more dims) take the fallback."""
+    x = call.arg(0, "input", call.kwargs.get("self"))
+    p, dim = call.arg(1, "p", "fro"), call.arg(2, "dim")
+    if call.kwargs.get("out") is not None:
+        return None
+    if isinstance(p, str):
+        if p != "fro" or not (dim is None or isinstance(dim, int) or len(dim) <= 2):
+            return None
+        p = 2
+    return _norm_strategy(call, x, 2.0 if p is None else p, dim, bool(call.arg(3, "keepdim", False)))
+
+
+def _norm_strategy(call, x, order, dim, keepdim):
     spec = call.spec(x)
     if spec is None or call.index(x) != 0 or len(call.specs) != 1:
         return None
-    order, dim, keepdim = _value(call, 1, 2), _value(call, 2, None), bool(_value(call, 3, False))
-    if not isinstance(order, (int, float)) or isinstance(order, bool) or "out" in call.kwargs:
+    if not isinstance(order, (int, float)) or isinstance(order, bool):
         return None
     if dim is not None and (not isinstance(dim, (int, list, tuple)) or isinstance(dim, bool)):
         return None
     reduced = reduced_dims(dim, spec.ndim)
     if len(call.out_shapes[0]) != (spec.ndim if keepdim else spec.ndim - len(reduced)):
         return None
-    combinable = math.isinf(order) or order >= 1
+    combinable = not math.isinf(order) and order >= 1
     if not combinable:
         inputs, outputs = gather_dims(spec, set(reduced), lambda d: _out_dim(d, reduced, keepdim))
         return OpStrategy(inputs=[inputs], outputs=outputs)
@@ -64,14 +84,6 @@ def _combined_local(mesh, mesh_dims, reduced, keepdim, order):
         if dtype is not None:
             x = x.to(dtype)
         a = x.abs()
-        if math.isinf(order):
-            op = "max" if order > 0 else "min"
-            extreme = a.amax if op == "max" else a.amin
-            out = extreme(dim=reduced, keepdim=keepdim)
-            for m in mesh_dims:
-                out = platform.differentiable_all_reduce(out.contiguous(), mesh.get_group(m), op,
-                                                         backward="identity")
-            return out
         powered = a if order == 1 else a ** order
         s = platform.local_sum(powered, dim=reduced, keepdim=keepdim)
         for m in mesh_dims:
@@ -84,4 +96,4 @@ def _combined_local(mesh, mesh_dims, reduced, keepdim, order):
     return local
 
 
-__all__ = ["vector_norm_rule"]
+__all__ = ["norm_rule", "vector_norm_rule"]
