@@ -8,7 +8,9 @@ collective on the same mesh dim (the redistribution planner says so), the tensor
   hold, and block j of q, k and v are laid side by side, so the one all-to-all hands rank j
   [q block j | k block j | v block j] from every rank; it splits them again by head counts.
   q and k/v may differ in head count (GQA) but must agree on every other dim and the dtype.
-* all-gather (k, v on the gather dims): k and v side by side on the head dim, one all-gather.
+  q, k, v of one shape are instead stacked on a new leading dim, so each result is a contiguous
+  slice (kernels then copy nothing).
+* all-gather (k, v on the gather dims): k and v stacked on a new leading dim, one all-gather.
 
 Both are differentiable through the platform's collectives, so backward is one all-to-all (one
 reduce-scatter) of the stacked gradients as well. Anything else (uneven blocks, a plan of several
@@ -56,6 +58,16 @@ def _same_except(locals_, dim):
     return all(s == shapes[0] for s in shapes)
 
 
+def _stacked_all_to_all(dts, locals_, targets, step, head):
+    """Equal shapes: stacked on a new leading dim, one all-to-all, each result a contiguous slice."""
+    platform = get_platform()
+    mesh = dts[0].device_mesh
+    stacked = platform.cat([t.unsqueeze(0) for t in locals_], 0)
+    moved = platform.differentiable_all_to_all(stacked, mesh.get_group(step.mesh_dim), head + 1, step.dim + 1)
+    return [DTensor.from_local(moved[i], mesh, placements, shape=dt.shape)
+            for i, (dt, placements) in enumerate(zip(dts, targets))]
+
+
 def _fused_all_to_all(dts, targets, steps, head):
     """One all-to-all moving every tensor of ``dts`` sequence -> heads (see the module docstring)."""
     platform = get_platform()
@@ -65,6 +77,8 @@ def _fused_all_to_all(dts, targets, steps, head):
     locals_ = [dt.to_local() for dt in dts]
     if step.new_dim != head or not _same_except(locals_, head) or any(t.shape[head] % n for t in locals_):
         return None
+    if len({tuple(t.shape) for t in locals_}) == 1:
+        return _stacked_all_to_all(dts, locals_, targets, step, head)
     blocks = []
     for t in locals_:
         shape = list(t.shape)
@@ -82,25 +96,22 @@ def _fused_all_to_all(dts, targets, steps, head):
 
 
 def _fused_all_gather(dts, targets, steps, head):
-    """One all-gather of k and v side by side on the head dim (one collective per gather dim)."""
+    """One all-gather of k and v stacked on a new leading dim (each result a contiguous slice)."""
     platform = get_platform()
     step = steps[0]
     mesh = dts[0].device_mesh
     locals_ = [dt.to_local() for dt in dts]
-    if not _same_except(locals_, head):
+    if len({tuple(t.shape) for t in locals_}) != 1:
         return None
-    gathered = platform.differentiable_all_gather(platform.cat(locals_, head), mesh.get_group(step.mesh_dim),
-                                                  step.dim)
-    out, start = [], 0
-    for dt, t, placements in zip(dts, locals_, targets):
-        width = t.shape[head]
+    stacked = platform.cat([t.unsqueeze(0) for t in locals_], 0)
+    gathered = platform.differentiable_all_gather(stacked, mesh.get_group(step.mesh_dim), step.dim + 1)
+    out = []
+    for i, (dt, placements) in enumerate(zip(dts, targets)):
         # each rank's queries give a share of the gathered K/V's gradient: take it as Partial on
         # the gathered dim, which the all-gather's backward (a reduce-scatter) sums exactly once
         grads = list(placements)
         grads[step.mesh_dim] = Partial()
-        out.append(DTensor.from_local(_slice(gathered, head, start, width), mesh, placements, shape=dt.shape,
-                                      grad_placements=grads))
-        start += width
+        out.append(DTensor.from_local(gathered[i], mesh, placements, shape=dt.shape, grad_placements=grads))
     return out
 
 
@@ -120,16 +131,20 @@ def _move(dts, targets, kind, head, fuse):
     return [dt.redistribute(placements=p) for dt, p in zip(dts, targets)]
 
 
-def to_mode(dts, seq, head, ulysses_dims, gather_dims):
+def to_mode(dts, seq, head, ulysses_dims, gather_dims, fuse=True):
     """q, k, v DTensors (in their sequence-split input layout) in the mode's layout: the Ulysses
-    all-to-all of all three fused into one, then k and v gathered over ``gather_dims`` in one."""
+    all-to-all of all three fused into one, then k and v gathered over ``gather_dims`` in one
+    (``fuse=False``: one collective per tensor, so only one tensor's staging buffers are alive at a
+    time)."""
     mesh, ndim = dts[0].device_mesh, dts[0].ndim
-    staged = [mode_placements(dt.placements, mesh, ndim, seq, head, ulysses_dims, []) for dt in dts]
+    targets = [mode_placements(dt.placements, mesh, ndim, seq, head, ulysses_dims, gather_dims) for dt in dts]
+    targets = [targets[0][0]] + [kv for _, kv in targets[1:]]
+    if not fuse:
+        return [dt.redistribute(placements=p) for dt, p in zip(dts, targets)]
+    staged = [mode_placements(dt.placements, mesh, ndim, seq, head, ulysses_dims, [])[0] for dt in dts]
     moved = list(dts)
     if ulysses_dims:
-        moved = _move(moved, [q for q, _ in staged], "all_to_all", head, _fused_all_to_all)
+        moved = _move(moved, staged, "all_to_all", head, _fused_all_to_all)
     if not gather_dims:
         return moved
-    kv = [mode_placements(dt.placements, mesh, ndim, seq, head, ulysses_dims, gather_dims)[1]
-          for dt in dts[1:]]
-    return moved[:1] + _move(moved[1:], kv, "all_gather", head, _fused_all_gather)
+    return moved[:1] + _move(moved[1:], targets[1:], "all_gather", head, _fused_all_gather)

@@ -73,7 +73,9 @@ def run_ring(style, inputs, ulysses_dims, ring_dim, call):
     ring = RingInterceptor(lambda q, k, v, causal, scale:
                            ring_attention(q, k, v, layout, causal, scale) if masks is None
                            else masked_ring_attention(q, k, v, layout, masks, causal, scale))
-    moved = to_mode(dts, seq, head, ulysses_dims, [])   # one fused all-to-all on the ds dims
+    # one all-to-all per tensor, not fused: a fused one stages q, k and v of the rank at once,
+    # beyond the ring's memory bound (two K/V blocks and the re-laid own block)
+    moved = to_mode(dts, seq, head, ulysses_dims, [], fuse=False)
     for t in moved:
         ring.follow(t)
     with intercepting(ring):
