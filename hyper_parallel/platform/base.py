@@ -247,6 +247,11 @@ class Platform(TrainingLoopContract, abc.ABC):
     def float32(self):
         """The framework's float32 dtype."""
 
+    @staticmethod
+    def detach(tensor):
+        """``tensor`` cut from the autograd graph, sharing its data (no graph: itself)."""
+        return tensor.detach()
+
     @abc.abstractmethod
     def local_sum(self, tensor, dim=None, keepdim=False):
         """``tensor.sum(dim, keepdim)`` of a local piece; an empty piece gives zeros (zero gradient)."""

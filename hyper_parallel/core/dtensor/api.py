@@ -47,7 +47,7 @@ def distribute_tensor(tensor, device_mesh=None, placements=None, *, src_data_ran
     if src_data_rank is not None:
         _check_src(src_data_rank, device_mesh)
     requires_grad = getattr(tensor, "requires_grad", False)  # MindSpore tensors have no flag
-    data = tensor.detach() if hasattr(tensor, "detach") else tensor  # MindSpore: no detach()
+    data = get_platform().detach(tensor)
     full = DTensorSpec(device_mesh, (Replicate(),) * device_mesh.ndim, tuple(tensor.shape))
     if device_mesh.get_coordinate() is None:
         empty = get_platform().empty((0,), dtype=tensor.dtype, device=getattr(tensor, "device", None))

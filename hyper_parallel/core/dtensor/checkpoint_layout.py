@@ -89,8 +89,7 @@ def save_layout_checkpoint(module, directory):
     (created if missing; a shared filesystem across ranks), then waits for the others. Partial or
     head-tail placements raise ``ValueError`` on every rank before anything is written."""
     platform = get_platform()
-    if hasattr(platform, "check_execution_mode"):
-        platform.check_execution_mode("save_layout_checkpoint")
+    platform.check_execution_mode("save_layout_checkpoint")
     rank = platform.get_rank()
     records = {}
     for name, param in _parameters(module).items():
@@ -211,8 +210,7 @@ def load_layout_checkpoint(module, path, strict=True):
     (missing, unexpected) parameter names; with ``strict`` a missing one raises ``ValueError``
     (names in the file the Cell lacks, e.g. optimizer state, are only reported). No collectives."""
     platform = get_platform()
-    if hasattr(platform, "check_execution_mode"):
-        platform.check_execution_mode("load_layout_checkpoint")
+    platform.check_execution_mode("load_layout_checkpoint")
     source = _Source(path)
     params = _parameters(module)
     missing = sorted(n for n in params if n not in source.blocks)

@@ -109,8 +109,7 @@ def shard_parameters(module, mesh, placements, src_data_rank):
                 continue  # already in this layout (the style was applied twice)
             raise ValueError(f"parameter {name!r} of {type(module).__name__} is already a DTensor "
                              f"({param.placements} on {param.device_mesh}); a module can be parallelized once")
-        dt = distribute_tensor(param.detach() if hasattr(param, "detach") else param,  # MindSpore: no detach()
-                               mesh, [placement], src_data_rank=src_data_rank)
+        dt = distribute_tensor(platform.detach(param), mesh, [placement], src_data_rank=src_data_rank)
         platform.set_parameter(module, name, dt.requires_grad_(param.requires_grad))
 
 

@@ -155,6 +155,10 @@ class MindSporePlatform(MindSporeTrainingSupport, Platform):  # training.py: fac
                 "the log-probs)")
 
     @staticmethod
+    def detach(tensor):
+        return tensor  # PyNative tensors hold no graph; ms.grad differentiates functions
+
+    @staticmethod
     def requires_grad(tensor):
         # a MindSpore Tensor has no flag (ms.grad decides what is differentiated); a Parameter has one
         return getattr(tensor, "requires_grad", True)
