@@ -144,14 +144,15 @@ def _errors(rank, world_size):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
     ids, labels, mask, positions = shard_sequence(list(_batch("padding")), mesh["cp"])
     ring = parallelize_model(_model(_config()), mesh, ulysses_degree=1, kv_exchange="ring")
-    ring(input_ids=ids)  # no mask: fine
-    with pytest.raises(ValueError, match="ring"):
-        ring(input_ids=ids, attention_mask=mask)
+    ring(input_ids=ids)
+    ring(input_ids=ids, attention_mask=mask)  # masks in the ring: tests/test_hf_masks.py checks the values
     model = parallelize_model(_model(_config()), mesh)
     with pytest.raises(ValueError, match="attention_mask of shape"):
         model(input_ids=ids, attention_mask=torch.ones(B, 1, S // 2, S, dtype=torch.bool))
     with pytest.raises(ValueError, match="position_ids of shape"):
         model(input_ids=ids, position_ids=torch.arange(S)[None])
+    with pytest.raises(ValueError, match="position_ids of shape"):
+        model(input_ids=ids, position_ids=torch.arange(S // 2).repeat(3, 1))
     with pytest.raises(ValueError, match="already applied"):
         parallelize_model(model, mesh)
     with pytest.raises(ValueError, match="does not translate"):

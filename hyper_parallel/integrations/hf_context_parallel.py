@@ -8,18 +8,22 @@ block, as HF's attention functions do.
 Masks. With a custom attention name transformers builds no mask (its mask factory only knows its
 own names), and a mask built from a rank's block would be wrong anyway: keys live on every rank.
 So a forward pre-hook on the base model, once per forward, all-gathers the blocks of the 2-D
-padding ``attention_mask`` and of ``position_ids`` over the CP ranks and builds the global mask
-exactly as transformers' sdpa path does on one device:
+padding ``attention_mask`` and of ``position_ids`` over the CP ranks (O(B·S) integers) and turns
+them into ``attention_masks`` (core/context_parallel/masks.py), which every CP mode applies
+(Ulysses, all-gather KV ± load balance, hybrid, ring ± zigzag) tile by tile, without an S×S mask.
+They reproduce transformers' sdpa path on one device:
 
-- ``attention_mask`` given: causal and the key is not padding;
+- ``attention_mask`` given: ``padding_mask`` (a padded key is seen by no query), with the module's
+  causality;
 - else ``position_ids`` holding several documents (packed: a position that does not follow its
-  predecessor starts a document): causal on positions, within a document;
+  predecessor starts a document): ``document_ids``, with the module's causality (within a
+  document, positions follow the token order, so causal on positions is causal on tokens);
 - else none: ``is_causal``.
 
-The mask is dense, ``(batch, 1, S, S)`` booleans per rank (all-gather KV slices it to the rank's
-rows). Missing ``position_ids`` are filled with the block's global positions (transformers would
-count from 0 on every rank). Unsupported inputs raise ``ValueError``: 4-D masks, KV caches, a
-sliding window shorter than the sequence, and masks with ``kv_exchange="ring"``.
+Missing ``position_ids`` are filled with the block's global positions (transformers would count
+from 0 on every rank). Unsupported inputs raise ``ValueError``: 4-D masks, KV caches, a sliding
+window shorter than the sequence, and attention dropout together with a padding mask or packing
+(the masked kernels take no dropout).
 """
 import copy
 import itertools
@@ -28,30 +32,32 @@ import torch
 import torch.nn.functional as F
 
 from hyper_parallel.core.context_parallel import ContextParallel
+from hyper_parallel.core.context_parallel.masks import attention_masks
 from hyper_parallel.platform import get_platform
 
 _names = itertools.count()
 
 
 class _CoreAttention(torch.nn.Module):
-    """BNSD q/k/v in, BSHD out (the layout HF attention functions return)."""
+    """BNSD q/k/v in, BSHD out (the layout HF attention functions return). No mask argument: padding
+    and documents arrive through ``attention_masks``, which the CP modes apply at this sdpa call."""
 
-    def forward(self, q, k, v, mask=None, scale=None, dropout=0.0, causal=True, gqa=False):
+    def forward(self, q, k, v, scale=None, dropout=0.0, causal=True, gqa=False):
         extra = {"enable_gqa": True} if gqa else {}
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                             is_causal=causal and mask is None, scale=scale, **extra)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, scale=scale,
+                                             **extra)
         return out.transpose(1, 2)
 
 
 class CPAttention:
-    """The per-model state: the CP core attention, and the global mask of the current forward."""
+    """The per-model state: the CP core attention, and the global masks of the current forward
+    (``attention_masks`` keyword arguments, or None)."""
 
     def __init__(self, model, cp_mesh, cp_kwargs):
         self.config = model.config
         self.mesh = cp_mesh
-        self.ring = cp_kwargs.get("kv_exchange") == "ring"
         self.core = ContextParallel(seq_dim=2, head_dim=1, **cp_kwargs).apply(_CoreAttention(), cp_mesh)
-        self.mask = None
+        self.masks = None
         self.name = f"hyper_parallel_cp_{next(_names)}"
 
     # ------------------------------------------------------------------ the attention function
@@ -63,8 +69,15 @@ class CPAttention:
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
         gqa = query.shape[1] != key.shape[1]
-        out = self.core(query, key, value, self.mask, scaling, dropout, causal, gqa)
-        return out, None
+        if self.masks is None:
+            return self.core(query, key, value, scaling, dropout, causal, gqa), None
+        if dropout:
+            raise ValueError(f"parallelize_model: attention dropout {dropout} with a padding mask or packed "
+                             f"position_ids under context parallelism is not supported (the masked kernels "
+                             f"take none); set the config's attention_dropout=0 or call model.eval()")
+        # entered per call (not across the whole forward): a forward that raises leaves no context behind
+        with attention_masks(**self.masks):
+            return self.core(query, key, value, scaling, dropout, causal, gqa), None
 
     # ------------------------------------------------------------------ once per forward
     def pre_forward(self, module, args, kwargs):
@@ -82,11 +95,11 @@ class CPAttention:
         batch, local = int(first.shape[0]), int(first.shape[1])
         positions = self._positions(kwargs.get("position_ids"), batch, local)
         kwargs["position_ids"] = positions
-        self.mask = self._global_mask(kwargs.get("attention_mask"), positions, batch, local)
+        self.masks = self._global_masks(kwargs.get("attention_mask"), positions, batch, local)
         return args, kwargs
 
     def post_forward(self, module, args, kwargs, output):
-        self.mask = None  # autograd keeps what backward needs
+        self.masks = None  # autograd keeps what backward needs
         return output
 
     def _gather(self, tensor):
@@ -96,12 +109,13 @@ class CPAttention:
         if positions is None:
             start = self.mesh.get_local_rank() * local
             return torch.arange(start, start + local).unsqueeze(0)
-        if positions.ndim != 2 or positions.shape[-1] != local:
+        if positions.ndim != 2 or positions.shape[-1] != local or positions.shape[0] not in (1, batch):
             raise ValueError(f"parallelize_model: position_ids of shape {tuple(positions.shape)} must be "
-                             f"this rank's block (batch, {local}) of the global positions (shard_sequence)")
+                             f"this rank's block ({batch} or 1, {local}) of the global positions "
+                             f"(shard_sequence)")
         return positions
 
-    def _global_mask(self, attention_mask, positions, batch, local):
+    def _global_masks(self, attention_mask, positions, batch, local):
         total = local * self.mesh.size()
         self._check_window(total)
         if attention_mask is not None:
@@ -110,24 +124,14 @@ class CPAttention:
                                  f"is not supported under context parallelism; pass the 2-D padding mask's "
                                  f"block "
                                  f"({batch}, {local}) from shard_sequence")
-            keep = self._gather(attention_mask.to(torch.bool))
-            if bool(keep.all()):
-                return None
-            causal = torch.ones(total, total, dtype=torch.bool, device=keep.device).tril()
-            return self._no_ring(causal[None, None] & keep[:, None, None, :])
-        pos = self._gather(positions.expand(batch, -1))
+            # on the CPU: the masked kernels decide per tile (skip / full / masked) without a device sync
+            keep = self._gather(attention_mask.to(torch.bool)).cpu()
+            return None if bool(keep.all()) else {"padding_mask": keep}
+        pos = self._gather(positions.expand(batch, -1)).cpu()
         start = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1
         if not bool(start[:, 1:].any()):
             return None
-        doc = start.cumsum(-1)
-        mask = (pos[:, :, None] >= pos[:, None, :]) & (doc[:, :, None] == doc[:, None, :])
-        return self._no_ring(mask[:, None])
-
-    def _no_ring(self, mask):
-        if self.ring:
-            raise ValueError("parallelize_model: kv_exchange='ring' takes no attention mask; padding masks "
-                             "and packed position_ids need kv_exchange='allgather' (or Ulysses)")
-        return mask
+        return {"document_ids": start.cumsum(-1)}
 
     def _check_window(self, total):
         config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
