@@ -163,7 +163,8 @@ def run_rank(args):
         print("\n".join([table(rows)] + format_line(ring_line) + format_notes(remarks)), flush=True)
         payload = {"title": f"CP attention, world {world}, S={args.seq}", "world": world,
                    "platform": platform.name, "capabilities": platform.capabilities(), "config": vars(args),
-                   "rows": rows, "ring_overlap": ring_line, "notes": remarks, "sweep": sweep, "tolerance": TOLERANCE[args.dtype]}
+                   "rows": rows, "ring_overlap": ring_line,
+                   "notes": remarks, "sweep": sweep, "tolerance": TOLERANCE[args.dtype]}
         if args.json:
             write_json(args.json, payload)
         if args.plot:
@@ -227,8 +228,11 @@ class _Bench:
         if not here:
             return 0
         if self.platform.device_type == "cpu" and rss_peak.available():
-            # the process's RSS high-water mark: kernel-internal buffers count too
-            return rss_peak.rss_peak_bytes(lambda: (fn(), self.platform.synchronize()))
+            # the process's RSS high-water mark (kernel-internal buffers count too), or the storages
+            # created where a small run fits in pages already resident (RSS then does not rise)
+            with self.platform.track_peak_memory() as mem:
+                rss = rss_peak.rss_peak_bytes(lambda: (fn(), self.platform.synchronize()))
+            return max(rss, mem.peak_bytes)
         with self.platform.track_peak_memory() as mem:
             fn()
             self.platform.synchronize()

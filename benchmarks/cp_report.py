@@ -63,9 +63,10 @@ def notes(rows, capabilities, fw):
                    f"{fw.solo_timing_unsupported}.")
     from benchmarks import rss_peak
     if not fw.peak_memory_unsupported and rss_peak.available():
-        out.append("note: peak mem is the process RSS high-water mark (VmHWM) during one fwd+bwd minus the RSS "
-                   f"before it (MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}); "
-                   "on accelerators the allocator's peak.")
+        threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_", "unset")
+        out.append("note: peak mem is the process RSS high-water mark (VmHWM) during one fwd+bwd minus the "
+                   f"RSS before it (MALLOC_MMAP_THRESHOLD_={threshold}), or the bytes of the storages "
+                   "created if larger (a small run fits in resident pages).")
     if fw.peak_memory_unsupported:
         out.append(f"note: peak mem not measured: {fw.peak_memory_unsupported}.")
     return out
