@@ -17,6 +17,8 @@ runs on the local pieces as it is. Per mesh dim, in order of preference:
 * scatter*(x, d, index, src or value): x, the index and src split on one dim e != d where all
   three have the same size; otherwise replicated (a Partial input is reduced first).
 """
+import functools
+
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Replicate
 
@@ -53,38 +55,53 @@ def _index_placements(call, index):
     return spec.placements if spec is not None else (Replicate(),) * call.mesh_ndim
 
 
-def _strategy(call, tensors, per_dim, out):
+def _strategy(call, tensors, per_dim):
+    """``per_dim``: per mesh dim, the placement of each of ``tensors`` and then of the output."""
     inputs = [None] * len(call.specs)
     for k, t in enumerate(tensors):
         if call.index(t) is not None:
             inputs[call.index(t)] = tuple(p[k] for p in per_dim)
-    return OpStrategy(inputs=inputs, outputs=tuple(out))
+    return OpStrategy(inputs=inputs, outputs=tuple(p[-1] for p in per_dim))
 
 
-@register_rule("index_select")
-def index_select_rule(call):
-    parsed = _args(call, None)
-    if parsed is None:
-        return None
-    x, d, index, _ = parsed
-    if _zero_dim(call, x):
-        return _replicated(call)
-    xs, index_1d = call.spec(x), index.ndim == 1
-    per_dim, out = [], []
-    for px, pj in zip(xs.placements, _index_placements(call, index)):
-        if px.is_shard() and px.dim != d:
-            per_dim.append((px, Replicate()))
-            out.append(px)
-        elif px.is_partial() and px.reduce_op in _LINEAR and not pj.is_partial():
-            per_dim.append((px, Replicate()))
-            out.append(px)
-        elif pj.is_shard(0) and index_1d:
-            per_dim.append((Replicate(), pj))
-            out.append(pj.with_dim(d))
-        else:
-            per_dim.append((Replicate(), Replicate()))
-            out.append(Replicate())
-    return _strategy(call, [x, index], per_dim, out)
+def _indexing_rule(name, third=None):
+    """Registers ``body(call, x, d, index, other)`` for ``name`` after the checks every rule here
+    shares: arguments it understands (else the fallback), a 0-dim input (all replicated).
+    ``third(call)`` names the fourth argument (scatter's src or value)."""
+    def wrap(body):
+        @register_rule(name)
+        @functools.wraps(body)
+        def rule(call):
+            parsed = _args(call, third(call) if third else None)
+            if parsed is None:
+                return None
+            if _zero_dim(call, parsed[0]):
+                return _replicated(call)
+            return body(call, *parsed)
+        return rule
+    return wrap
+
+
+def _linear_partial(px, pj):
+    """x's pending sum / mean passes through a selection by a replicated (not Partial) index."""
+    return px.is_partial() and px.reduce_op in _LINEAR and not pj.is_partial()
+
+
+_REPLICATED = (Replicate(), Replicate(), Replicate())
+
+
+@_indexing_rule("index_select")
+def index_select_rule(call, x, d, index, _):
+    index_1d = index.ndim == 1
+
+    def choose(px, pj):
+        if (px.is_shard() and px.dim != d) or _linear_partial(px, pj):
+            return px, Replicate(), px
+        if pj.is_shard(0) and index_1d:
+            return Replicate(), pj, pj.with_dim(d)
+        return _REPLICATED
+    return _strategy(call, [x, index], [choose(px, pj) for px, pj in
+                                        zip(call.spec(x).placements, _index_placements(call, index))])
 
 
 def _aligned(specs, p, d):
@@ -94,57 +111,35 @@ def _aligned(specs, p, d):
     return all(s.ndim > p.dim and s.shape[p.dim] == specs[0].shape[p.dim] for s in specs)
 
 
-@register_rule("gather")
-def gather_rule(call):
-    parsed = _args(call, None)
-    if parsed is None:
-        return None
-    x, d, index, _ = parsed
-    if _zero_dim(call, x):
-        return _replicated(call)
+@_indexing_rule("gather")
+def gather_rule(call, x, d, index, _):
     xs, js = call.spec(x), call.spec(index)
     if js is None or js.ndim != xs.ndim:
         return None
-    per_dim, out = [], []
-    for px, pj in zip(xs.placements, js.placements):
+
+    def choose(px, pj):
         if _aligned([xs, js], px, d):
-            per_dim.append((px, px))
-            out.append(px)
-        elif _aligned([xs, js], pj, d) and not px.is_partial():
-            per_dim.append((pj, pj))
-            out.append(pj)
-        elif pj.is_shard(d) and not px.is_partial():
-            per_dim.append((Replicate(), pj))
-            out.append(pj)
-        elif px.is_partial() and px.reduce_op in _LINEAR and not pj.is_partial():
-            per_dim.append((px, Replicate()))
-            out.append(px)
-        else:
-            per_dim.append((Replicate(), Replicate()))
-            out.append(Replicate())
-    return _strategy(call, [x, index], per_dim, out)
+            return px, px, px
+        if _aligned([xs, js], pj, d) and not px.is_partial():
+            return pj, pj, pj
+        if pj.is_shard(d) and not px.is_partial():
+            return Replicate(), pj, pj
+        if _linear_partial(px, pj):
+            return px, Replicate(), px
+        return _REPLICATED
+    return _strategy(call, [x, index], [choose(px, pj) for px, pj in zip(xs.placements, js.placements)])
 
 
-@register_rule("scatter")
-def scatter_rule(call):
-    third = "src" if call.arg(3, "src") is not None else "value"
-    parsed = _args(call, third)
-    if parsed is None:
-        return None
-    x, d, index, src = parsed
-    if _zero_dim(call, x):
-        return _replicated(call)
+@_indexing_rule("scatter", third=lambda call: "src" if call.arg(3, "src") is not None else "value")
+def scatter_rule(call, x, d, index, src):
     specs = [call.spec(t) for t in (x, index, src) if call.spec(t) is not None]
     if any(s.ndim != specs[0].ndim for s in specs):
         return None
-    per_dim, out = [], []
+    per_dim = []
     for m in range(call.mesh_ndim):
-        chosen = next((s.placements[m] for s in specs if _aligned(specs, s.placements[m], d)), None)
-        if chosen is None:
-            chosen = Replicate()
-        per_dim.append((chosen, chosen, chosen))
-        out.append(chosen)
-    return _strategy(call, [x, index, src], per_dim, out)
+        chosen = next((s.placements[m] for s in specs if _aligned(specs, s.placements[m], d)), Replicate())
+        per_dim.append((chosen,) * 4)
+    return _strategy(call, [x, index, src], per_dim)
 
 
 __all__ = ["gather_rule", "index_select_rule", "scatter_rule"]

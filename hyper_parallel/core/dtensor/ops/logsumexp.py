@@ -13,34 +13,21 @@ rank holds the whole gradient), after which the local gradient ``softmax(x)`` ne
 A rank whose piece of a reduced dim is empty (uneven shards) has no local max: that mesh dim is
 gathered instead. A Partial input is reduced first.
 """
-from hyper_parallel.core.dtensor.ops.reductions import _some_piece_empty, output_dim, reduced_dims
+from hyper_parallel.core.dtensor.ops.reductions import (
+    _some_piece_empty, combined_reduction_layout, reduced_dims)
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.platform import get_platform
 
 
 def split_reduction_layout(spec, reduced, keepdim):
-    """(inputs, outputs, mesh dims that split a reduced dim) for a non-linear reduction whose split
-    dims are combined inside the op; a split that leaves some rank an empty piece is gathered."""
-    inputs, outputs, mesh_dims = [], [], []
-    for m, p in enumerate(spec.placements):
-        if p.is_shard() and p.dim in reduced:
-            inputs.append(p)
-            outputs.append(Replicate())
-            mesh_dims.append(m)
-        elif p.is_shard():
-            inputs.append(p)
-            outputs.append(p.with_dim(output_dim(p.dim, reduced, keepdim)))
-        else:
-            inputs.append(Replicate())
-            outputs.append(Replicate())
-    if mesh_dims:
-        split = sorted({spec.placements[m].dim for m in mesh_dims})
-        if _some_piece_empty(spec, tuple(inputs), split):
-            for m in mesh_dims:
-                inputs[m] = Replicate()
-            mesh_dims = []
-    return tuple(inputs), tuple(outputs), mesh_dims
+    """combined_reduction_layout, except that a split leaving some rank an empty piece of a reduced
+    dim is gathered (that rank would have no local max)."""
+    inputs, outputs, mesh_dims = combined_reduction_layout(spec, reduced, keepdim)
+    if mesh_dims and _some_piece_empty(spec, inputs, sorted({spec.placements[m].dim for m in mesh_dims})):
+        inputs = tuple(Replicate() if m in mesh_dims else p for m, p in enumerate(inputs))
+        mesh_dims = []
+    return inputs, outputs, mesh_dims
 
 
 @register_rule("logsumexp")

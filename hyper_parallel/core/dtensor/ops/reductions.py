@@ -78,6 +78,26 @@ def _any_empty(shape, placements, mesh_shape, dims):
     return False
 
 
+def combined_reduction_layout(spec, reduced, keepdim):
+    """(input placements, output placements, mesh dims that split a reduced dim) of a non-linear
+    reduction whose split dims are combined inside the op (logsumexp, var / std): those stay split
+    and give a Replicate output; shards of other dims move to their output dim; Partials are
+    reduced first."""
+    inputs, outputs, mesh_dims = [], [], []
+    for m, p in enumerate(spec.placements):
+        if p.is_shard() and p.dim in reduced:
+            inputs.append(p)
+            outputs.append(Replicate())
+            mesh_dims.append(m)
+        elif p.is_shard():
+            inputs.append(p)
+            outputs.append(p.with_dim(output_dim(p.dim, reduced, keepdim)))
+        else:
+            inputs.append(Replicate())
+            outputs.append(Replicate())
+    return tuple(inputs), tuple(outputs), mesh_dims
+
+
 @register_rule("sum", "mean", "amax", "amin")
 def reduction_rule(call):
     return _reduction(call, call.name)
@@ -183,4 +203,4 @@ def _extreme_local(mesh, mesh_dims, op):
     return local
 
 
-__all__ = ["reduced_dims", "output_dim", "reduction_rule", "max_min_rule"]
+__all__ = ["reduced_dims", "output_dim", "combined_reduction_layout", "reduction_rule", "max_min_rule"]

@@ -9,25 +9,8 @@ These ops only move data, so a Partial input of any reduce op stays Partial.
 Indexing with tensors, lists or bools (advanced indexing) has no rule: the call takes the
 replicated fallback.
 """
+from hyper_parallel.core.dtensor.ops.gather_dims import gather_dims
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
-from hyper_parallel.core.dtensor.placement_types import Replicate
-
-
-def _placements(spec, touched, out_dim_of):
-    """Input and output placements: shards of ``touched`` dims are gathered, others moved by
-    ``out_dim_of`` (input dim -> output dim)."""
-    inputs, outputs = [], []
-    for p in spec.placements:
-        if p.is_shard() and p.dim in touched:
-            inputs.append(Replicate())
-            outputs.append(Replicate())
-        elif p.is_shard():
-            inputs.append(p)
-            outputs.append(p.with_dim(out_dim_of(p.dim)))
-        else:
-            inputs.append(p)
-            outputs.append(p)
-    return tuple(inputs), tuple(outputs)
 
 
 def _source(call):
@@ -64,7 +47,7 @@ def split_rule(call):
         local = _whole_local(dim, as_tuple=True)
     else:
         touched = {dim}
-    inputs, outputs = _placements(spec, touched, lambda d: d)
+    inputs, outputs = gather_dims(spec, touched, lambda d: d, partial_stays=True)
     return OpStrategy(inputs=[inputs], outputs=outputs, local=local)
 
 
@@ -74,7 +57,7 @@ def unbind_rule(call):
     if spec is None:
         return None
     dim = call.arg(1, "dim", 0) % spec.ndim
-    inputs, outputs = _placements(spec, {dim}, lambda d: d - 1 if d > dim else d)
+    inputs, outputs = gather_dims(spec, {dim}, lambda d: d - 1 if d > dim else d, partial_stays=True)
     return OpStrategy(inputs=[inputs], outputs=outputs)
 
 
@@ -95,7 +78,7 @@ def narrow_rule(call):
         local = _whole_local(dim, as_tuple=False)
     else:
         touched = {dim}
-    inputs, outputs = _placements(spec, touched, lambda d: d)
+    inputs, outputs = gather_dims(spec, touched, lambda d: d, partial_stays=True)
     return OpStrategy(inputs=[inputs], outputs=outputs, local=local)
 
 
@@ -158,7 +141,7 @@ def getitem_rule(call):
         return None
     mapping = index_dims(items)
     touched = {d for d, (_, item) in mapping.items() if not _is_whole(item, spec.shape[d])}
-    inputs, outputs = _placements(spec, touched, lambda d: mapping[d][0])
+    inputs, outputs = gather_dims(spec, touched, lambda d: mapping[d][0], partial_stays=True)
     kept = {p.dim for p in inputs if p.is_shard()}
     # the kept sharded dims are whole slices: on the local shard they become plain ':'
     local_items, in_dim = [], 0

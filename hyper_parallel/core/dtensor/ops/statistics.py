@@ -15,9 +15,8 @@ is how torch's own var backward treats it); var_mean's mean output keeps its gra
 (uneven, ``torch.chunk``) pieces add zero to both sums. ``std``'s gradient is zero where std is
 zero, as torch's. A Partial input is reduced first (the variance is not linear).
 """
-from hyper_parallel.core.dtensor.ops.reductions import output_dim, reduced_dims
+from hyper_parallel.core.dtensor.ops.reductions import combined_reduction_layout, reduced_dims
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
-from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.platform import get_platform
 
 
@@ -56,25 +55,14 @@ def variance_rule(call):
     reduced = reduced_dims(dim, ndim)
     if any(len(s) != (ndim if keepdim else ndim - len(reduced)) for s in call.out_shapes):
         return None
-    inputs, outputs, mesh_dims = [], [], []
-    for m, p in enumerate(spec.placements):
-        if p.is_shard() and p.dim in reduced:
-            inputs.append(p)
-            outputs.append(Replicate())
-            mesh_dims.append(m)
-        elif p.is_shard():
-            inputs.append(p)
-            outputs.append(p.with_dim(output_dim(p.dim, reduced, keepdim)))
-        else:
-            inputs.append(Replicate())
-            outputs.append(Replicate())
+    inputs, outputs, mesh_dims = combined_reduction_layout(spec, reduced, keepdim)
     local = None
     if mesh_dims:
         count = 1
         for d in reduced:
             count *= spec.shape[d]
         local = _moments_local(call.name, call.mesh, mesh_dims, reduced, keepdim, count, correction)
-    return OpStrategy(inputs=[tuple(inputs)], outputs=tuple(outputs), local=local)
+    return OpStrategy(inputs=[inputs], outputs=outputs, local=local)
 
 
 def _moments_local(name, mesh, mesh_dims, reduced, keepdim, count, correction):

@@ -10,8 +10,8 @@ An exact cross-rank alternative exists for some (a max-loc all-reduce for argmax
 per-rank products for prod); gathering one dim is what they would save, and the layout of every
 other dim is kept. (cumprod has no rule yet: tests use it as the example of an op without one.)
 """
+from hyper_parallel.core.dtensor.ops.gather_dims import gather_dims
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
-from hyper_parallel.core.dtensor.placement_types import Replicate
 
 # name: (position of dim, its default, position of keepdim or None if the op keeps every dim)
 _SIGNATURES = {
@@ -23,23 +23,6 @@ _SIGNATURES = {
     "cummax": (1, None, None), "cummin": (1, None, None),
     "logcumsumexp": (1, None, None),
 }
-
-
-def gather_dims(spec, dims, out_dim_of):
-    """(input placements, output placements): shards of ``dims`` and Partials are replicated;
-    other shards kept and moved by ``out_dim_of`` (input dim -> output dim)."""
-    inputs, outputs = [], []
-    for p in spec.placements:
-        if (p.is_shard() and p.dim in dims) or p.is_partial():
-            inputs.append(Replicate())
-            outputs.append(Replicate())
-        elif p.is_shard():
-            inputs.append(p)
-            outputs.append(p.with_dim(out_dim_of(p.dim)))
-        else:
-            inputs.append(p)
-            outputs.append(p)
-    return tuple(inputs), tuple(outputs)
 
 
 def _plain_int(v):
