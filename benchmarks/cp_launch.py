@@ -65,6 +65,24 @@ def free_port():
 
 
 # ------------------------------------------------------------------------------------------ torch
+def run_or_spawn(run_rank, args):
+    """A single-file torch benchmark's main: ``run_rank(args)`` here under torchrun, else on
+    ``args.nproc`` spawned local ranks (``run_rank`` must be module-level: it is pickled)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        run_rank(args)
+        return 0
+    import torch.multiprocessing as mp
+    mp.spawn(_spawned, args=(run_rank, args, free_port()), nprocs=args.nproc, join=True)
+    return 0
+
+
+def _spawned(rank, run_rank, args, port):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run_rank(args)
+
+
 def _spawn_torch(args):
     import torch.multiprocessing as mp
     port = free_port()

@@ -9,7 +9,6 @@ ratio framework / raw, forward (no grad) and forward + backward. Torch, spawned 
 """
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -115,22 +114,9 @@ def _report(args, world, result):
             json.dump({"result": result, "ratio": ratios, "args": vars(args), "world": world}, f, indent=1)
 
 
-def _spawned(rank, args, port):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    run_rank(args)
-
-
 def main(argv=None):
-    args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        run_rank(args)
-        return 0
-    import torch.multiprocessing as mp
-    from benchmarks.cp_launch import free_port
-    mp.spawn(_spawned, args=(args, free_port()), nprocs=args.nproc, join=True)
-    return 0
+    from benchmarks.cp_launch import run_or_spawn
+    return run_or_spawn(run_rank, parse_args(argv))
 
 
 if __name__ == "__main__":

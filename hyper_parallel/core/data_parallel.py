@@ -24,6 +24,42 @@ from hyper_parallel.platform import get_platform
 DEFAULT_BUCKET_MB = 4
 
 
+def check_one_dim(mesh):
+    if mesh.ndim != 1:
+        raise ValueError(f"data_parallel needs a 1-D mesh, got {mesh.ndim}-D {mesh.mesh_dim_names}; slice it "
+                         f"(mesh['dp']) or flatten it (mesh['dp', 'cp'].flatten())")
+
+
+def check_disjoint_meshes(param, dp_mesh, name):
+    """A DTensor parameter's shards differ across its own mesh, so that mesh may share at most one
+    rank (this one) with the data-parallel mesh."""
+    if not isinstance(param, DTensor):
+        return
+    shared = set(param.device_mesh.rank_list) & set(dp_mesh.group_ranks(0))
+    if len(shared) > 1:
+        raise ValueError(f"data_parallel: the DTensor parameter {name} lives on mesh "
+                         f"{param.device_mesh} which "
+                         f"shares ranks {sorted(shared)} with the data-parallel mesh {dp_mesh}; its shards "
+                         f"differ across those ranks, so their gradients cannot be averaged. Use a "
+                         f"data-parallel mesh dim different from the parameter's (e.g. mesh['dp'] beside "
+                         f"mesh['tp'])")
+
+
+class Switchable:
+    """``enabled`` and ``no_sync()``, the switch both gradient reducers (this file's and
+    data_parallel_tuple.py's) share."""
+    enabled = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip the reduction (gradients accumulate locally); the next step outside reduces the sum."""
+        previous, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = previous
+
+
 class _Bucket:
     def __init__(self, dtype):
         self.dtype = dtype
@@ -36,38 +72,24 @@ class _Bucket:
         self.nbytes += nbytes
 
 
-class GradientReducer:
+class GradientReducer(Switchable):
     """The hooks data_parallel installs; ``module._hp_grad_reducer`` after wrapping."""
 
     def __init__(self, module, device_mesh, average, bucket_mb):
-        if device_mesh.ndim != 1:
-            raise ValueError(f"data_parallel needs a 1-D mesh, got {device_mesh.ndim}-D "
-                             f"{device_mesh.mesh_dim_names}; slice it (mesh['dp']) or flatten it "
-                             f"(mesh['dp', 'cp'].flatten())")
+        check_one_dim(device_mesh)
         self.platform = get_platform()
         self.mesh = device_mesh
         self.group = device_mesh.get_group()
         self.op = "avg" if average else "sum"
         self.enabled = True
-        params = [p for _, p in self.platform.named_parameters(module, recurse=True) if p.requires_grad]
-        for p in params:
-            self._check_param(p)
+        named = [(n, p) for n, p in self.platform.named_parameters(module, recurse=True) if p.requires_grad]
+        for name, param in named:
+            check_disjoint_meshes(param, device_mesh, name)
+        params = [p for _, p in named]
         self.buckets = self._make_buckets(params, bucket_mb * 2 ** 20)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._reset()
         self.remove = self.platform.register_grad_ready_hooks(params, self._on_ready, self._on_backward_end)
-
-    def _check_param(self, param):
-        if not isinstance(param, DTensor):
-            return
-        own = set(param.device_mesh.rank_list)
-        shared = own & set(self.mesh.group_ranks(0))
-        if len(shared) > 1:
-            raise ValueError(f"data_parallel: a DTensor parameter lives on mesh {param.device_mesh} which "
-                             f"shares ranks {sorted(shared)} with the data-parallel mesh {self.mesh}; its "
-                             f"shards differ across those ranks, so their gradients cannot be averaged. "
-                             f"Use a data-parallel mesh dim different from the parameter's (e.g. "
-                             f"mesh['dp'] beside mesh['tp'])")
 
     @staticmethod
     def _make_buckets(params, cap_bytes):
@@ -153,15 +175,6 @@ class GradientReducer:
                 # parameter a zero gradient (optimizers would still step it)
                 param.grad = reduced if not isinstance(param, DTensor) else DTensor.from_local(
                     reduced, param.device_mesh, param.placements, shape=param.shape)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Skip the reduction (gradients accumulate locally); the next backward outside reduces the sum."""
-        previous, self.enabled = self.enabled, False
-        try:
-            yield
-        finally:
-            self.enabled = previous
 
 
 def data_parallel(module, device_mesh, *, average=True, bucket_mb=DEFAULT_BUCKET_MB):

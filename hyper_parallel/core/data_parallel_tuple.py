@@ -10,31 +10,9 @@ Tensor-parallel parameters are MindSpore Parameters holding this rank's shard, s
 are shards too: all-reducing them over the data-parallel mesh (whose ranks hold the same shard)
 keeps the layout. Their own mesh must not share ranks with the data-parallel mesh (ValueError).
 """
-import contextlib
-
+from hyper_parallel.core.data_parallel import Switchable, check_disjoint_meshes, check_one_dim
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.platform import get_platform
-
-
-def check_disjoint_meshes(param, dp_mesh, name):
-    """A DTensor parameter's shards differ across its own mesh, so that mesh may share at most one
-    rank (this one) with the data-parallel mesh."""
-    if not isinstance(param, DTensor):
-        return
-    shared = set(param.device_mesh.rank_list) & set(dp_mesh.group_ranks(0))
-    if len(shared) > 1:
-        raise ValueError(f"data_parallel: the DTensor parameter {name} lives on mesh "
-                         f"{param.device_mesh} which "
-                         f"shares ranks {sorted(shared)} with the data-parallel mesh {dp_mesh}; its shards "
-                         f"differ across those ranks, so their gradients cannot be averaged. Use a "
-                         f"data-parallel mesh dim different from the parameter's (e.g. mesh['dp'] beside "
-                         f"mesh['tp'])")
-
-
-def check_one_dim(mesh):
-    if mesh.ndim != 1:
-        raise ValueError(f"data_parallel needs a 1-D mesh, got {mesh.ndim}-D {mesh.mesh_dim_names}; slice it "
-                         f"(mesh['dp']) or flatten it (mesh['dp', 'cp'].flatten())")
 
 
 def _views(platform, module):
@@ -44,7 +22,7 @@ def _views(platform, module):
             yield (f"{prefix}.{name}" if prefix else name), param
 
 
-class TupleGradReducer:
+class TupleGradReducer(Switchable):
     """``reducer(grads) -> grads``: the all-reduced gradient tuple (see the module docstring)."""
 
     def __init__(self, module, device_mesh, average, bucket_mb):
@@ -98,15 +76,6 @@ class TupleGradReducer:
             bucket.append(i)
             sizes[id(bucket)] += nbytes
         return buckets
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Skip the reduction (gradient accumulation); the next step outside reduces."""
-        previous, self.enabled = self.enabled, False
-        try:
-            yield
-        finally:
-            self.enabled = previous
 
 
 def tuple_data_parallel(module, device_mesh, average, bucket_mb):
