@@ -14,11 +14,9 @@ gradients over the data-parallel ranks, each of which trains on its slice of the
 prints every step's global loss; ``--check`` then trains the same model on the same batches in one
 process and exits 1 unless every step's loss matches to 1e-5 (fp32).
 """
-import argparse
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,25 +25,19 @@ import zlib
 
 import numpy as np
 
+try:
+    import _common
+except ImportError:   # loaded by its path (a test): the examples folder is not on sys.path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _common
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOLERANCE = 1e-5
 _CLUSTER_ENV = ("MS_ROLE", "MS_NODE_ID", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT", "RANK_TABLE_FILE")
 _CHATTER = re.compile(r"^\[(DEBUG|INFO|WARNING|ERROR)\] [A-Z_]+\(")   # MindSpore's own log lines
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dp", type=int, default=2, help="data-parallel ranks")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--batch", type=int, default=2, help="sequences per data-parallel rank")
-    p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--check", action="store_true", help="compare with the same training in one process")
+    p = _common.parser(__doc__, dp=2, tp=2, seq=16, width=32, vocab=64, lr=1e-2)
     args = p.parse_args(argv)
     if args.heads % args.tp or args.vocab % args.tp or args.dim % args.heads:
         p.error(f"--heads ({args.heads}) and --vocab ({args.vocab}) must divide by --tp ({args.tp}), "
@@ -198,26 +190,16 @@ def rank_main(args):
     from hyper_parallel import get_platform
     if get_platform().get_rank() != 0 or not args.check:
         return 0
-    reference = train_single(args)
-    diff = max(abs(a - b) for a, b in zip(losses, reference))
-    print(f"single process: {' '.join(f'{v:.6f}' for v in reference)}")
-    print(f"max |loss - single-process loss| = {diff:.3g} (tolerance {TOLERANCE:g})", flush=True)
-    return 0 if diff <= TOLERANCE else 1
+    return _common.compare_with_one_process(losses, train_single, args)
 
 
 # ------------------------------------------------------------------------------------------ launcher
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(argv, world, timeout=1800):
     """A scheduler and ``world`` workers running this script; rank 0's output is shown, the others'
     when they fail. Returns the exit status (0 when every worker succeeded)."""
     env = {k: v for k, v in os.environ.items() if k not in _CLUSTER_ENV}
     env.update(HP_PLATFORM="mindspore", MS_WORKER_NUM=str(world), MS_SCHED_HOST="127.0.0.1",
-               MS_SCHED_PORT=str(_free_port()), GLOG_v="3", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               MS_SCHED_PORT=str(_common.free_port()), GLOG_v="3", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p]))
     command = [sys.executable, os.path.abspath(__file__), *argv]
     logs = tempfile.mkdtemp(prefix="hp_train_cell_")

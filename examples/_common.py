@@ -1,0 +1,178 @@
+"""What the examples share (not an example itself): their command-line flags, ``--check``'s
+comparison with the same training in one process, and -- for the torch examples -- the training
+loops and the local launcher that starts one process per rank when no launcher (torchrun) did.
+
+An example imports it as a sibling module: ``python examples/x.py`` and torchrun put examples/ first
+on ``sys.path``; a test loading an example by its path gets it added by the example. torch is
+imported inside the functions that use it, so the MindSpore example (run by an interpreter without
+torch) can import this module.
+"""
+import argparse
+import multiprocessing
+import os
+import socket
+import sys
+
+TOLERANCE = 1e-5
+# ContextParallel's attention modes by the torch examples' --mode name
+CP_MODES = {
+    "ulysses": {},
+    "allgather": {"ulysses_degree": 1},
+    "allgather-lb": {"ulysses_degree": 1, "load_balance": True},
+    "hybrid": {"ulysses_degree": 2},
+    "ring": {"ulysses_degree": 1, "kv_exchange": "ring"},
+    "ring-zigzag": {"ulysses_degree": 1, "load_balance": True, "kv_exchange": "ring"},
+}
+
+
+def parser(doc, *, width_flag="--dim", cp=False, tp_help="tensor-parallel ranks", extra=(), **defaults):
+    """The examples' flags. ``width_flag`` names the model-width flag; ``cp`` adds --cp and --mode;
+    ``extra`` is (flag, add_argument keywords) pairs of an example's own model flags;
+    ``defaults`` overrides a flag's default (dp, tp, seq, width, vocab, lr)."""
+    d = {"dp": 1, "tp": 1, "seq": 64, "width": 64, "vocab": 128, "lr": 1e-3, **defaults}
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if cp:
+        p.add_argument("--cp", type=int, default=2, help="context-parallel ranks")
+    p.add_argument("--tp", type=int, default=d["tp"], help=tp_help)
+    p.add_argument("--dp", type=int, default=d["dp"], help="data-parallel ranks")
+    if cp:
+        p.add_argument("--mode", choices=sorted(CP_MODES), default="ulysses",
+                       help="context-parallel attention mode")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--batch", type=int, default=2, help="sequences per data-parallel rank")
+    p.add_argument("--seq", type=int, default=d["seq"])
+    p.add_argument(width_flag, type=int, default=d["width"])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    for flag, keywords in extra:
+        p.add_argument(flag, **keywords)
+    p.add_argument("--vocab", type=int, default=d["vocab"])
+    p.add_argument("--lr", type=float, default=d["lr"])
+    p.add_argument("--check", action="store_true", help="compare with the same training in one process")
+    return p
+
+
+def compare_with_one_process(losses, train_single, args):
+    """``--check`` on rank 0: the exit status, 0 when every step's loss equals ``train_single``'s."""
+    print("reference: the same training in one process ...", flush=True)
+    reference = train_single(args)
+    diff = max(abs(a - b) for a, b in zip(losses, reference))
+    print(f"max |loss - single-process loss| over {len(losses)} steps: {diff:.2e} "
+          f"(tolerance {TOLERANCE:.0e})", flush=True)
+    return 0 if diff <= TOLERANCE else 1
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------ torch: training
+def global_batch(args, step, dp_index):
+    """Input ids, labels shifted on the whole sequence (the last position predicts nothing), and
+    the positions RoPE rotates by (a CP rank's block must use its global positions)."""
+    import torch
+    g = torch.Generator().manual_seed(1000 * step + dp_index)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+    labels = torch.cat([ids[:, 1:], torch.full((args.batch, 1), -100)], 1)
+    positions = torch.arange(args.seq).expand(args.batch, -1)
+    return ids, labels, positions
+
+
+def token_count(args, step):
+    """Counted labels over every data-parallel batch of the step (the loss normaliser)."""
+    return sum(int((global_batch(args, step, d)[1] != -100).sum()) for d in range(args.dp))
+
+
+def sum_loss(logits, labels):
+    import torch.nn.functional as F
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
+def _train(args, opt, step_loss, global_loss, verbose):
+    losses = []
+    for step in range(args.steps):
+        loss = step_loss(step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_loss(loss.detach()))
+        if verbose:
+            print(f"[{step + 1}/{args.steps}] loss {losses[-1]:.6f}", flush=True)
+    return losses
+
+
+def train_parallel(args, example):
+    """This rank's part of the training; every step's global loss. ``example`` supplies
+    build_model(args), parallelize(model, mesh, mode), forward(model, ids, positions) and
+    optimizer(model, args)."""
+    from hyper_parallel import data_parallel, get_platform, init_device_mesh, shard_sequence
+
+    platform = get_platform()
+    mesh = init_device_mesh(platform.device_type, (args.dp, args.cp, args.tp),
+                            mesh_dim_names=("dp", "cp", "tp"))
+    model = example.parallelize(example.build_model(args), mesh, args.mode)
+    replicas = mesh["dp", "cp"].flatten()  # ranks that see different tokens for the same parameters
+    data_parallel(model, replicas, average=False)
+
+    def step_loss(step):
+        batch = global_batch(args, step, mesh["dp"].get_local_rank())
+        ids, labels, positions = shard_sequence(list(batch), mesh["cp"])
+        return sum_loss(example.forward(model, ids, positions), labels) / token_count(args, step)
+    return _train(args, example.optimizer(model, args), step_loss,
+                  lambda loss: float(platform.all_reduce(loss, replicas.get_group())),
+                  verbose=platform.get_rank() == 0)
+
+
+def train_single(args, example):
+    """The same training in one process: every data-parallel batch of a step in one loss."""
+    model = example.build_model(args)
+
+    def step_loss(step):
+        count = token_count(args, step)
+        return sum(sum_loss(example.forward(model, ids, positions), labels) / count
+                   for ids, labels, positions in (global_batch(args, step, d) for d in range(args.dp)))
+    return _train(args, example.optimizer(model, args), step_loss, float, verbose=False)
+
+
+def run_rank(args, example):
+    """One rank's run of a torch example; its exit status."""
+    from hyper_parallel import get_platform
+    losses = train_parallel(args, example)
+    if not args.check or get_platform().get_rank() != 0:
+        return 0
+    return compare_with_one_process(losses, lambda a: train_single(a, example), args)
+
+
+# ------------------------------------------------------------------------------ torch: launcher
+def launch(run, argv, args):
+    """``run(argv)`` here under a launcher (``RANK`` set); otherwise in dp × cp × tp spawned local
+    ranks (gloo). ``run`` must be a module-level function of the example (it is pickled)."""
+    if "RANK" in os.environ:
+        return run(argv)
+    world = args.dp * args.cp * args.tp
+    print(f"spawning {world} local ranks: dp={args.dp} cp={args.cp} tp={args.tp} mode={args.mode}",
+          flush=True)
+    port = free_port()
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(run, r, world, port, argv)) for r in range(world)]
+    for p in procs:
+        p.start()
+    while any(p.is_alive() for p in procs):
+        if any(p.exitcode not in (None, 0) for p in procs):  # one failed: the rest would wait forever
+            for p in procs:
+                p.terminate()
+        procs[0].join(0.2)
+    failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    if failed:
+        print(f"ranks {failed} failed (exit codes {[procs[r].exitcode for r in failed]})", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _worker(run, rank, world, port, argv):
+    import torch
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    sys.exit(run(argv))
