@@ -1,5 +1,6 @@
 """examples/train_llama_titan.py: torchtitan's Llama 3 model code under TP+SP × CP × DP on local CPU
-ranks, every step's loss equal to the same training in one process (the example's --check).
+ranks, every step's loss equal to the same training in one process (the example's --check), with no
+op taking the replicated fallback (HP_STRICT_DISPATCH=1 turns one into an error; issue 15).
 Skips when torchtitan (the `titan` extra) is not installed."""
 import importlib.util
 import os
@@ -20,9 +21,11 @@ pytestmark = pytest.mark.skipif(
 
 def _run(*args, timeout=420):
     # no launcher variables: the example spawns its own ranks; the repo root on the path so the
-    # ranks import this checkout whether or not it is pip-installed
+    # ranks import this checkout whether or not it is pip-installed; every op of the training step
+    # (forward and backward) must have a sharding rule: a fallback raises on the rank
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in launcher}
+    env["HP_STRICT_DISPATCH"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     return subprocess.run([sys.executable, str(EXAMPLE), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
