@@ -25,9 +25,11 @@ CP_MODES = {
 }
 
 
-def parser(doc, *, width_flag="--dim", cp=False, tp_help="tensor-parallel ranks", extra=(), **defaults):
+def parser(doc, *, width_flag="--dim", cp=False, tp_help="tensor-parallel ranks", extra=(), checkpoint=False,
+           **defaults):
     """The examples' flags. ``width_flag`` names the model-width flag; ``cp`` adds --cp and --mode;
-    ``extra`` is (flag, add_argument keywords) pairs of an example's own model flags;
+    ``extra`` is (flag, add_argument keywords) pairs of an example's own model flags; ``checkpoint``
+    adds --save, --resume and --json (torch examples: see save_checkpoint / load_checkpoint);
     ``defaults`` overrides a flag's default (dp, tp, seq, width, vocab, lr)."""
     d = {"dp": 1, "tp": 1, "seq": 64, "width": 64, "vocab": 128, "lr": 1e-3, **defaults}
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -49,6 +51,11 @@ def parser(doc, *, width_flag="--dim", cp=False, tp_help="tensor-parallel ranks"
     p.add_argument("--vocab", type=int, default=d["vocab"])
     p.add_argument("--lr", type=float, default=d["lr"])
     p.add_argument("--check", action="store_true", help="compare with the same training in one process")
+    if checkpoint:
+        p.add_argument("--save", metavar="DIR", help="after the last step, save model and optimizer (DCP)")
+        p.add_argument("--resume", metavar="DIR", help="load a --save checkpoint (any layout), then train "
+                       "--steps more steps")
+        p.add_argument("--json", metavar="PATH", help="write the first step's number and the losses here")
     return p
 
 
@@ -56,6 +63,7 @@ def compare_with_one_process(losses, train_single, args):
     """``--check`` on rank 0: the exit status, 0 when every step's loss equals ``train_single``'s."""
     print("reference: the same training in one process ...", flush=True)
     reference = train_single(args)
+    reference = reference[len(reference) - len(losses):]   # a resumed run: its last steps
     diff = max(abs(a - b) for a, b in zip(losses, reference))
     print(f"max |loss - single-process loss| over {len(losses)} steps: {diff:.2e} "
           f"(tolerance {TOLERANCE:.0e})", flush=True)
@@ -90,59 +98,128 @@ def sum_loss(logits, labels):
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
 
 
-def _train(args, opt, step_loss, global_loss, verbose):
+def _train(args, opt, step_loss, global_loss, verbose, first=0):
+    """Steps ``first`` .. ``first + args.steps - 1`` (a resumed run starts past the saved ones)."""
     losses = []
-    for step in range(args.steps):
+    last = first + args.steps
+    for step in range(first, last):
         loss = step_loss(step)
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(global_loss(loss.detach()))
         if verbose:
-            print(f"[{step + 1}/{args.steps}] loss {losses[-1]:.6f}", flush=True)
+            print(f"[{step + 1}/{last}] loss {losses[-1]:.6f}", flush=True)
     return losses
 
 
 def train_parallel(args, example):
     """This rank's part of the training; every step's global loss. ``example`` supplies
     build_model(args), parallelize(model, mesh, mode), forward(model, ids, positions) and
-    optimizer(model, args)."""
+    optimizer(model, args). ``--resume`` loads a checkpoint first; ``--save`` writes one after."""
     from hyper_parallel import data_parallel, get_platform, init_device_mesh, shard_sequence
 
+    first = steps_saved(args)   # checks --resume's flags before any collective
     platform = get_platform()
     mesh = init_device_mesh(platform.device_type, (args.dp, args.cp, args.tp),
                             mesh_dim_names=("dp", "cp", "tp"))
     model = example.parallelize(example.build_model(args), mesh, args.mode)
     replicas = mesh["dp", "cp"].flatten()  # ranks that see different tokens for the same parameters
     data_parallel(model, replicas, average=False)
+    opt = example.optimizer(model, args)
+    if getattr(args, "resume", None):
+        load_checkpoint(model, opt, args.resume)
 
     def step_loss(step):
         batch = global_batch(args, step, mesh["dp"].get_local_rank())
         ids, labels, positions = shard_sequence(list(batch), mesh["cp"])
         return sum_loss(example.forward(model, ids, positions), labels) / token_count(args, step)
-    return _train(args, example.optimizer(model, args), step_loss,
-                  lambda loss: float(platform.all_reduce(loss, replicas.get_group())),
-                  verbose=platform.get_rank() == 0)
+    losses = _train(args, opt, step_loss, lambda loss: float(platform.all_reduce(loss, replicas.get_group())),
+                    verbose=platform.get_rank() == 0, first=first)
+    if getattr(args, "save", None):
+        save_checkpoint(model, opt, args, first + args.steps)
+    return losses
 
 
 def train_single(args, example):
-    """The same training in one process: every data-parallel batch of a step in one loss."""
+    """The same training in one process, from step 1 through a resumed run's last step: every
+    data-parallel batch of a step in one loss."""
     model = example.build_model(args)
+    whole = argparse.Namespace(**{**vars(args), "steps": steps_saved(args) + args.steps})
 
     def step_loss(step):
         count = token_count(args, step)
         return sum(sum_loss(example.forward(model, ids, positions), labels) / count
                    for ids, labels, positions in (global_batch(args, step, d) for d in range(args.dp)))
-    return _train(args, example.optimizer(model, args), step_loss, float, verbose=False)
+    return _train(whole, example.optimizer(model, args), step_loss, float, verbose=False)
 
 
 def run_rank(args, example):
     """One rank's run of a torch example; its exit status."""
+    import json
     from hyper_parallel import get_platform
     losses = train_parallel(args, example)
-    if not args.check or get_platform().get_rank() != 0:
+    if get_platform().get_rank() != 0:
+        return 0
+    if getattr(args, "json", None):
+        with open(args.json, "w") as f:
+            json.dump({"first_step": steps_saved(args) + 1, "losses": losses}, f)
+    if not args.check:
         return 0
     return compare_with_one_process(losses, lambda a: train_single(a, example), args)
+
+
+# ------------------------------------------------------------------------------ torch: checkpoints
+# flags a resumed run may change: the layout and the run itself; the rest fix the model, data and optimizer
+LAYOUT_FLAGS = ("tp", "cp", "mode", "steps", "check", "save", "resume", "json")
+TRAINING_FILE = "training.json"   # beside the DCP files: the steps done and the flags that must not change
+
+
+def save_checkpoint(model, opt, args, steps_done):
+    """DCP save of the model's and optimizer's state (each rank writes its shards) to ``args.save``;
+    rank 0 adds the steps done and the flags, so ``--resume`` can continue on any layout."""
+    import json
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from hyper_parallel import get_platform
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=args.save)
+    if get_platform().get_rank() == 0:
+        fixed = {k: v for k, v in vars(args).items() if k not in LAYOUT_FLAGS}
+        with open(os.path.join(args.save, TRAINING_FILE), "w") as f:
+            json.dump({"steps": steps_done, "flags": fixed}, f)
+
+
+def load_checkpoint(model, opt, directory):
+    """Loads a ``save_checkpoint`` into the parallelized ``model`` and its ``opt``: DCP reads,
+    for each rank's shards, the saved blocks overlapping them, whatever the saved layout was."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_state, optim_state = get_state_dict(model, opt)   # creates the optimizer state to load into
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def steps_saved(args):
+    """The steps ``--resume``'s checkpoint had done (0 without --resume); a ValueError, on every
+    rank before any collective, when a flag that fixes the model, data or optimizer differs."""
+    import json
+    directory = getattr(args, "resume", None)
+    if not directory:
+        return 0
+    path = os.path.join(directory, TRAINING_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"--resume {directory}: no {TRAINING_FILE} there; "
+                         "pass a directory written by --save")
+    with open(path) as f:
+        saved = json.load(f)
+    for key, value in saved["flags"].items():
+        if vars(args).get(key) != value:
+            raise ValueError(f"--resume {directory}: the checkpoint was trained with --{key} {value}, "
+                             f"this run has --{key} {vars(args).get(key)}; pass --{key} {value} (only "
+                             f"{', '.join('--' + k for k in LAYOUT_FLAGS[:3])} may change)")
+    return saved["steps"]
 
 
 # ------------------------------------------------------------------------------ torch: launcher

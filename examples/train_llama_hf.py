@@ -20,7 +20,7 @@ except ImportError:   # loaded by its path (a test): the examples folder is not 
 
 
 def parse_args(argv=None):
-    return _common.parser(__doc__, width_flag="--hidden", cp=True).parse_args(argv)
+    return _common.parser(__doc__, width_flag="--hidden", cp=True, checkpoint=True).parse_args(argv)
 
 
 def build_model(args):
