@@ -5,7 +5,10 @@
 
 Without a launcher it spawns dp × cp × tp local ranks (gloo). Every step prints the global loss;
 ``--check`` then trains the same model on the same batches in one process and fails unless every
-step's loss matches to 1e-5 (fp32). Needs ``pip install 'hyper-parallel[hf]'``.
+step's loss matches to 1e-5 (fp32). ``--save DIR`` writes a DCP checkpoint of the model and AdamW
+state after the last step; ``--resume DIR`` loads it on whatever layout the flags give (another
+--tp / --cp / --mode) and trains --steps more, which ``--check`` compares with one process training
+every step straight through (docs/training.md, "Checkpoints"). Needs ``pip install 'hyper-parallel[hf]'``.
 """
 import os
 import sys
