@@ -27,7 +27,7 @@ cover T.
 """
 from hyper_parallel.core.dtensor.layout import numel
 from hyper_parallel.core.dtensor.ops.npu_attention_args import (NpuAttentionArgs, NpuAttentionGeometry,
-                                                                as_int_list)
+                                                                packed_sequence_ends)
 from hyper_parallel.core.dtensor.ops.npu_attention_band import (call_dense_rows, call_tnd_rows, local_band,
                                                                 narrow)
 from hyper_parallel.core.dtensor.ops.npu_attention_packed import (check_packed_split, local_packed_lengths,
@@ -154,14 +154,7 @@ def _check_seq_split(a, geo, mode):
         if a["atten_mask"] is not None and mode in (0, 1):
             raise ValueError("npu_fusion_attention: an explicit atten_mask (sparse_mode 0/1) in TND layout "
                              "is not supported with queries split along T; use sparse_mode 2/3/4")
-        cq, ckv = as_int_list(a["actual_seq_qlen"]), as_int_list(a["actual_seq_kvlen"])
-        if cq is None or ckv is None or len(cq) != len(ckv) or not cq:
-            raise ValueError("npu_fusion_attention: TND needs actual_seq_qlen and actual_seq_kvlen of equal "
-                             "length (cumulative sequence ends)")
-        if cq[-1] != geo.sq or ckv[-1] != geo.skv:
-            raise ValueError(f"npu_fusion_attention: with queries split along T the packed sequences must "
-                             f"cover T exactly (actual_seq_qlen ends at {cq[-1]}, T={geo.sq}; "
-                             f"actual_seq_kvlen ends at {ckv[-1]}, T={geo.skv})")
+        packed_sequence_ends(a, geo)
 
 
 def _output_shapes(call, geo):

@@ -76,6 +76,20 @@ def as_int_list(value):
     return [int(x) for x in value]
 
 
+def packed_sequence_ends(a, geo):
+    """(actual_seq_qlen, actual_seq_kvlen) as int lists, or ValueError unless they are cumulative
+    sequence ends of equal length covering q's and k/v's T exactly."""
+    cq, ckv = as_int_list(a["actual_seq_qlen"]), as_int_list(a["actual_seq_kvlen"])
+    if cq is None or ckv is None or len(cq) != len(ckv) or not cq:
+        raise ValueError("npu_fusion_attention: TND needs actual_seq_qlen and actual_seq_kvlen of equal "
+                         "length (cumulative sequence ends)")
+    if cq[-1] != geo.sq or ckv[-1] != geo.skv:
+        raise ValueError(f"npu_fusion_attention: with T split over ranks the packed sequences must cover T "
+                         f"exactly (actual_seq_qlen ends at {cq[-1]}, T={geo.sq}; actual_seq_kvlen ends at "
+                         f"{ckv[-1]}, T={geo.skv})")
+    return cq, ckv
+
+
 class NpuAttentionGeometry:
     """Dims and sizes of one call: which q/k dim is batch, sequence and heads; N1, N2, D, Sq, Skv."""
 

@@ -11,7 +11,7 @@ other rank, so it is a ValueError, checked for every rank's range (all ranks rai
 import itertools
 
 from hyper_parallel.core.dtensor.layout import local_box
-from hyper_parallel.core.dtensor.ops.npu_attention_args import as_int_list
+from hyper_parallel.core.dtensor.ops.npu_attention_args import as_int_list, packed_sequence_ends
 
 
 def packed_split(geo, specs):
@@ -36,13 +36,7 @@ def _index_of(ends, position):
 
 def check_packed_split(a, geo, mesh, specs):
     """ValueError unless every rank's T range of q and of k/v holds the same whole sequences."""
-    cq, ckv = as_int_list(a["actual_seq_qlen"]), as_int_list(a["actual_seq_kvlen"])
-    if cq is None or ckv is None or len(cq) != len(ckv) or not cq:
-        raise ValueError("npu_fusion_attention: TND needs actual_seq_qlen and actual_seq_kvlen of equal "
-                         "length (cumulative sequence ends)")
-    if cq[-1] != geo.sq or ckv[-1] != geo.skv:
-        raise ValueError(f"npu_fusion_attention: the packed sequences must cover T exactly (actual_seq_qlen "
-                         f"ends at {cq[-1]}, T={geo.sq}; actual_seq_kvlen ends at {ckv[-1]}, T={geo.skv})")
+    cq, ckv = packed_sequence_ends(a, geo)
     qs, ks, _ = specs
     for coordinate in itertools.product(*(range(n) for n in mesh.mesh_shape)):
         q0, ql = local_box(qs.shape, qs.placements, mesh.mesh_shape, coordinate)[geo.seq]
