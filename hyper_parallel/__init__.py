@@ -36,6 +36,7 @@ _EXPORTS = {
     "parallelize_module": "hyper_parallel.core.tensor_parallel",
     "loss_parallel": "hyper_parallel.core.tensor_parallel",
     "ContextParallel": "hyper_parallel.core.context_parallel",
+    "AsyncContextParallel": "hyper_parallel.core.context_parallel",
     "attention_masks": "hyper_parallel.core.context_parallel",
     "data_parallel": "hyper_parallel.core.data_parallel",
     "shard_sequence": "hyper_parallel.core.shard_sequence",

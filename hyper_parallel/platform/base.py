@@ -10,13 +10,14 @@ import threading
 
 from hyper_parallel.platform.handles import AsyncHandle, CompletedHandle  # noqa: F401  (re-exported)
 from hyper_parallel.platform.training_contract import TrainingLoopContract, unavailable as _unavailable
+from hyper_parallel.platform.split_collectives import SplitCollectivesContract
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
 
-class Platform(TrainingLoopContract, abc.ABC):
+class Platform(TrainingLoopContract, SplitCollectivesContract, abc.ABC):
     """Abstract platform. A subclass sets ``_comm`` (its raw collectives) in ``__init__``. The
-    training-loop members (data parallel, layout checkpoints) are declared in training_contract.py."""
+    training-loop members are declared in training_contract.py, split collectives in split_collectives.py."""
 
     name = "abstract"
     # ---------------------------------------------------------------- framework classes

@@ -13,6 +13,7 @@ from hyper_parallel.core.context_parallel.load_balance import merge_head_tail, s
 from hyper_parallel.core.context_parallel.mask_mode import with_masks
 from hyper_parallel.core.context_parallel.masks import active_masks, check_masks
 from hyper_parallel.core.context_parallel.output import first_output, to_caller
+from hyper_parallel.core.context_parallel.overlap import pipelinable, run_overlapped
 from hyper_parallel.core.context_parallel.ring_mode import run_ring
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
@@ -234,6 +235,10 @@ def run_attention(style, cp_mesh, qkv, call):
             call = with_masks(masks, call)
     if style.kv_exchange == "ring" and gather_dims:
         return _deliver(style, inputs, *run_ring(style, inputs, ulysses_dims, gather_dims[0], call))
+    if pipelinable(style, inputs, masks):   # overlap=True: head chunks pipelined (overlap.py)
+        done = run_overlapped(style, inputs, ulysses_dims, gather_dims, call)
+        if done is not None:
+            return _deliver(style, inputs, *done)
     mesh, seq, head = inputs.mesh, inputs.seq, inputs.head
     dts = [DTensor.from_local(t, mesh, p, shape=s) for t, p, s in
            zip(inputs.locals, inputs.placements, inputs.shapes)]

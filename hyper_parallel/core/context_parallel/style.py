@@ -19,7 +19,8 @@ _active = contextvars.ContextVar("hp_context_parallel_active", default=frozenset
 
 class ContextParallel(ParallelStyle):
     def __init__(self, seq_dim=1, head_dim=2, ulysses_degree=None, qkv_indices=(0, 1, 2), qkv_kwarg_names=(),
-                 use_local_output=False, load_balance=False, kv_exchange="allgather"):
+                 use_local_output=False, load_balance=False, kv_exchange="allgather", overlap=False,
+                 chunks=2):
         if seq_dim == head_dim:
             raise ValueError(f"seq_dim and head_dim must differ (got {seq_dim}); use 1/2 for BSHD, 2/1 for BNSD")
         if ulysses_degree is not None and (not isinstance(ulysses_degree, int) or ulysses_degree < 1):
@@ -29,6 +30,9 @@ class ContextParallel(ParallelStyle):
                              f"ulysses_degree={ulysses_degree!r}; set ulysses_degree=1 or load_balance=False")
         if kv_exchange not in KV_EXCHANGES:
             raise ValueError(f"kv_exchange={kv_exchange!r} is not one of {KV_EXCHANGES}")
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+            raise ValueError(f"chunks={chunks!r} must be a positive int (the head groups overlap=True "
+                             f"pipelines; 1 turns the pipelining off)")
         if len(qkv_indices) != 3 and len(qkv_kwarg_names) < 3:
             raise ValueError(f"qkv_indices {qkv_indices} must name three positions (q, k, v)")
         self.seq_dim, self.head_dim = seq_dim, head_dim
@@ -37,6 +41,7 @@ class ContextParallel(ParallelStyle):
         self.use_local_output = use_local_output
         self.load_balance = load_balance
         self.kv_exchange = kv_exchange
+        self.overlap, self.chunks = bool(overlap), chunks
 
     # ------------------------------------------------------------------ apply
     def apply(self, module, device_mesh):
@@ -116,3 +121,11 @@ class ContextParallel(ParallelStyle):
             return call_module(original, new_args, new_kwargs)   # flex_attention -> clear error
         return run_attention(self, cp_mesh, qkv, call)
 
+
+class AsyncContextParallel(ContextParallel):
+    """``ContextParallel`` with ``overlap=True``: each call is pipelined over ``chunks`` head groups,
+    so one group's q/k/v and output collectives travel while another computes, in forward and
+    backward (overlap.py; modes it cannot pipeline run as ContextParallel does)."""
+
+    def __init__(self, *args, overlap=True, **kwargs):
+        super().__init__(*args, overlap=overlap, **kwargs)

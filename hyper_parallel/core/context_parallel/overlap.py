@@ -1,0 +1,173 @@
+"""Communication / compute overlap of one context-parallel call (``ContextParallel(overlap=True)``,
+``AsyncContextParallel``) by head-chunk pipelining.
+
+The style wraps the core attention: q, k and v exist only when it is called, so their collectives
+cannot start under the projections. Heads are independent in Ulysses, all-gather KV and their
+hybrid, so the call is cut into ``style.chunks`` head groups (q heads [c·H/n, (c+1)·H/n) with their
+k/v heads: the GQA grouping is kept, and k/v heads are those after the replication of
+mode._validate). Each chunk's heads must still divide by the Ulysses degree; otherwise the call
+runs whole (mode.py's unsplit path). The schedule, forward:
+
+    start in(0); [start in(1)]                     the pipeline fills (one collective per stage)
+    chunk c: finish in(c) | advance in(c+1..)     | attention(c) | start out(c)
+    finish out(0..n-1), concatenate on the output's head dim
+
+so chunk c+1's q/k/v collective (hybrid: its all-to-all, then its k/v all-gather one slot later)
+travels while chunk c computes, and chunk c's output all-to-all while chunk c+1 computes.
+Backward mirrors it: the collectives are the platform's split collectives, whose gradient
+collective starts at the wait's backward and finishes at the start's; the autograd engine runs
+ready nodes newest first, so chunk c's input-gradient collective travels during chunk c-1's
+attention backward, and each output-gradient collective during the attention backward of the chunk
+after it (see platform/split_collectives.py).
+
+Not pipelined (run whole, exactly as without overlap): load balancing, the ring (which overlaps its
+own hops), active attention_masks, a q DTensor on another mesh ("foreign"), k/v heads the chunks
+cannot split, and layouts the split moves do not cover (uneven blocks, several steps).
+"""
+import contextlib
+from dataclasses import replace
+
+from hyper_parallel.core.context_parallel.layouts import mode_placements
+from hyper_parallel.core.context_parallel.output import first_output
+from hyper_parallel.core.context_parallel.split_moves import AllGather, AllToAll, start_output
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.platform import get_platform
+
+_observers = []
+
+
+@contextlib.contextmanager
+def observe_pipeline(fn):
+    """Within the block, ``fn(stage, chunk, event)`` hears every collective of the pipeline: stage
+    "in" (q/k/v moves) or "out"; event "start" / "wait" / "grad_start" / "grad_wait"."""
+    _observers.append(fn)
+    try:
+        yield
+    finally:
+        _observers.remove(fn)
+
+
+def _observer(stage, chunk):
+    if not _observers:
+        return None
+    listeners = list(_observers)
+    return lambda event: [fn(stage, chunk, event) for fn in listeners]
+
+
+def pipelinable(style, inputs, masks):
+    """Whether this call may be pipelined at all (the other modes run whole)."""
+    return (style.overlap and style.chunks > 1 and masks is None and not style.load_balance
+            and style.kv_exchange != "ring" and inputs.policy != "foreign")
+
+
+def chunk_count(style, inputs, ds):
+    """The number of head chunks (1: not chunkable). Every q, k, v chunk keeps heads divisible by
+    the Ulysses degree, and q heads a multiple of k/v heads (GQA groups stay whole)."""
+    n = style.chunks
+    heads = [t.shape[inputs.head] for t in inputs.locals]
+    if heads[1] != heads[2] or heads[1] == 0 or heads[0] % heads[1]:
+        return 1
+    return n if all(h % (n * ds) == 0 for h in heads) else 1
+
+
+def _chunk(inputs, n, c):
+    """Chunk ``c`` of ``n``: q, k, v DTensors of its heads in the input layout."""
+    head, out = inputs.head, []
+    for t, placements, shape in zip(inputs.locals, inputs.placements, inputs.shapes):
+        width = t.shape[head] // n
+        local = t[(slice(None),) * head + (slice(c * width, (c + 1) * width),)]
+        shape = list(shape)
+        shape[head] //= n
+        out.append(DTensor.from_local(local, inputs.mesh, placements, shape=tuple(shape)))
+    return out
+
+
+def _stages(dts, inputs, ulysses_dims, gather_dims):
+    """The split moves taking a chunk to the mode's layout, or None where one cannot be split."""
+    mesh, seq, head, ndim = inputs.mesh, inputs.seq, inputs.head, dts[0].ndim
+    staged = [mode_placements(dt.placements, mesh, ndim, seq, head, ulysses_dims, [])[0] for dt in dts]
+    stages = []
+    if ulysses_dims:
+        stages.append(AllToAll.plan(dts, staged))
+    if gather_dims:
+        targets = [mode_placements(dt.placements, mesh, ndim, seq, head, ulysses_dims, gather_dims)[1]
+                   for dt in dts]
+        stages.append(AllGather.plan(mesh, [dt.shape for dt in dts], staged, targets,
+                                     [dt.to_local().dtype for dt in dts]))
+    return None if not stages or None in stages else stages
+
+
+class _Chunk:
+    """One head chunk's inputs travelling through its stages, one collective at a time."""
+
+    def __init__(self, index, dts, stages):
+        self.index, self.dts, self.stages = index, dts, list(stages)
+        self.finish = None
+
+    def advance(self):
+        """Finish the collective in flight (if any) and start the next one (if any)."""
+        if self.finish is not None:
+            self.dts, self.finish = self.finish(), None
+        if self.stages:
+            self.finish = self.stages.pop(0).start(self.dts, _observer("in", self.index))
+
+    def complete(self):
+        while self.finish is not None or self.stages:
+            self.advance()
+        return self.dts
+
+
+def _output_head_dim(out, seq, inputs, ulysses_dims):
+    """The dim of a chunk's output that holds its heads (outputs concatenate there): the dim the
+    Ulysses mesh dims split, else the one dim of the chunk's head count (or heads × head dim,
+    flattened head-major) besides the sequence and, in 4-D layouts, the batch."""
+    if ulysses_dims:
+        split = out.placements[ulysses_dims[-1]]
+        if split.is_shard() and split.dim != seq:
+            return split.dim
+    heads, dim_v = inputs.shapes[0][inputs.head], inputs.shapes[2][-1]
+    skip = {seq} | ({0} if 0 not in (inputs.seq, inputs.head) else set())
+    candidates = [d for d in range(out.ndim) if d not in skip and out.shape[d] in (heads, heads * dim_v)]
+    if len(candidates) == 1:
+        return candidates[0]
+    if inputs.head in candidates and out.ndim == len(inputs.shapes[0]):
+        return inputs.head
+    raise ValueError(f"ContextParallel(overlap=True): cannot tell which dim of the attention output (global "
+                     f"shape {tuple(out.shape)} for {heads} heads of one chunk) holds the heads to join the "
+                     f"head chunks on (candidates {candidates}); return the output in q's layout or as "
+                     f"(batch, seq, heads*dim), or use overlap=False")
+
+
+def run_overlapped(style, inputs, ulysses_dims, gather_dims, call):
+    """(this rank's output block, its seq dim, its placements), like output.to_caller, computed by
+    the head-chunk pipeline; None where the call cannot be chunked (the caller then runs it whole)."""
+    ds = 1
+    for m in ulysses_dims:
+        ds *= inputs.mesh.size(m)
+    n = chunk_count(style, inputs, ds)
+    if n == 1:
+        return None
+    chunks = [_chunk(inputs, n, c) for c in range(n)]
+    stages = _stages(chunks[0], inputs, ulysses_dims, gather_dims)
+    if stages is None:
+        return None
+    pipes = [_Chunk(c, dts, stages) for c, dts in enumerate(chunks)]
+    depth = len(stages)
+    for pipe in pipes[:depth]:
+        pipe.advance()
+    chunk_inputs = replace(inputs, shapes=[tuple(dt.shape) for dt in chunks[0]])
+    outs, layouts = [], set()
+    for c, pipe in enumerate(pipes):
+        q, k, v = pipe.complete()
+        for later in pipes[c + 1:c + 1 + depth]:
+            later.advance()
+        out = first_output(call(q, k, v))
+        finish, seq, placements = start_output(out, chunk_inputs, ulysses_dims, _observer("out", c))
+        layouts.add((tuple(out.shape), tuple(out.placements), seq))
+        if c == 0:
+            head = _output_head_dim(out, seq, chunk_inputs, ulysses_dims)
+        outs.append(finish)
+    if len(layouts) != 1:
+        raise ValueError(f"ContextParallel(overlap=True): the head chunks' outputs came back in different "
+                         f"layouts {sorted(map(str, layouts))}; use overlap=False")
+    return get_platform().cat([finish() for finish in outs], head), seq, placements

@@ -1,0 +1,149 @@
+"""Context-parallel layout moves split into a start and a finish, so compute runs while they travel
+(used by overlap.py).
+
+Each move is one even collective on one mesh dim, the same step for every tensor it moves (the
+redistribution planner says so; checked before any collective, else the caller runs unsplit):
+
+* ``AllToAll``: q, k, v sequence -> heads in one all-to-all. Each tensor's head dim is cut into the
+  n blocks the ranks will hold and block j of every tensor laid side by side (the layout of
+  fused_collectives.py), so rank j receives [q block j | k block j | v block j] from every rank.
+* ``AllGather``: k and v stacked on a new leading dim, one all-gather.
+* ``start_output``: the attention output heads -> sequence, one all-to-all (nothing to move in the
+  all-gather KV mode; any other plan runs the ordinary redistribution, unsplit).
+
+``start`` launches through the platform's split collectives (``start_differentiable_collective``)
+and returns ``finish``, which waits and wraps the results as DTensors in the target layout.
+"""
+from hyper_parallel.core.context_parallel.output import caller_placements, output_seq_dim
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.dtensor.placement_types import Partial
+from hyper_parallel.core.dtensor.redistribute import plan_redistribute
+from hyper_parallel.platform import get_platform
+
+
+def single_step(mesh, shape, src, dst, kind):
+    """The one even ``kind`` step taking ``src`` to ``dst``, or None."""
+    steps = plan_redistribute(mesh, shape, src, dst)
+    if len(steps) != 1 or steps[0].kind != kind:
+        return None
+    step = steps[0]
+    if len(set(step.sizes)) > 1 or len(set(step.new_sizes)) > 1:
+        return None
+    return step
+
+
+def _steps(mesh, shapes, sources, targets, kind):
+    """The shared step moving every tensor (global ``shapes``, ``sources`` placements) to its
+    target, or None."""
+    steps = [single_step(mesh, shape, src, dst, kind) for shape, src, dst in zip(shapes, sources, targets)]
+    if any(s is None for s in steps) or len({(s.mesh_dim, s.dim, s.new_dim) for s in steps}) != 1:
+        return None
+    return steps[0]
+
+
+def _slice(t, dim, start, length):
+    # basic slicing: differentiable and view-only on every platform
+    return t[(slice(None),) * dim + (slice(start, start + length),)]
+
+
+class AllToAll:
+    """Tensors ``indices`` of a chunk, equal except in their head count, moved by one all-to-all."""
+
+    def __init__(self, indices, step, targets):
+        self.indices, self.step, self.targets = tuple(indices), step, list(targets)
+
+    @classmethod
+    def plan(cls, dts, targets, indices=(0, 1, 2)):
+        moved, targets = [dts[i] for i in indices], [targets[i] for i in indices]
+        mesh, locals_ = moved[0].device_mesh, [dt.to_local() for dt in moved]
+        shapes, sources = [dt.shape for dt in moved], [dt.placements for dt in moved]
+        step = _steps(mesh, shapes, sources, targets, "all_to_all")
+        if step is None or len({t.dtype for t in locals_}) != 1:
+            return None
+        n = mesh.mesh_shape[step.mesh_dim]
+        shapes = [list(t.shape) for t in locals_]
+        if any(s[step.new_dim] % n for s in shapes):
+            return None
+        for s in shapes:
+            s[step.new_dim] = 0
+        if any(s != shapes[0] for s in shapes):
+            return None
+        return cls(indices, step, targets)
+
+    def start(self, dts, observer=None):
+        platform = get_platform()
+        mesh, split, concat = dts[0].device_mesh, self.step.new_dim, self.step.dim
+        n = mesh.mesh_shape[self.step.mesh_dim]
+        locals_ = [dts[i].to_local() for i in self.indices]
+        blocks = []
+        for t in locals_:
+            shape = list(t.shape)
+            blocks.append(t.reshape(tuple(shape[:split] + [n, shape[split] // n] + shape[split + 1:])))
+        packed = platform.cat(blocks, split + 1)
+        shape = list(packed.shape)
+        packed = packed.reshape(tuple(shape[:split] + [shape[split] * shape[split + 1]] + shape[split + 2:]))
+        pending = platform.start_differentiable_collective(
+            "all_to_all", packed, mesh.get_group(self.step.mesh_dim), (split, concat), observer)
+        widths = [t.shape[split] // n for t in locals_]
+
+        def finish():
+            moved, out, start = pending.wait(), list(dts), 0
+            for i, width, placements in zip(self.indices, widths, self.targets):
+                out[i] = DTensor.from_local(_slice(moved, split, start, width), mesh, placements,
+                                            shape=dts[i].shape)
+                start += width
+            return out
+        return finish
+
+
+class AllGather:
+    """Tensors ``indices`` (k and v) of one shape, gathered by one all-gather."""
+
+    def __init__(self, indices, step, targets):
+        self.indices, self.step, self.targets = tuple(indices), step, list(targets)
+
+    @classmethod
+    def plan(cls, mesh, shapes, sources, targets, dtypes, indices=(1, 2)):
+        """Global ``shapes``, ``sources`` / ``targets`` placements and ``dtypes`` of every tensor."""
+        pick = lambda seq: [seq[i] for i in indices]  # noqa: E731
+        step = _steps(mesh, pick(shapes), pick(sources), pick(targets), "all_gather")
+        if step is None or len({tuple(s) for s in pick(shapes)}) != 1 or len(set(pick(dtypes))) != 1:
+            return None
+        return cls(indices, step, pick(targets))
+
+    def start(self, dts, observer=None):
+        platform = get_platform()
+        mesh, dim = dts[0].device_mesh, self.step.dim
+        stacked = platform.cat([dts[i].to_local().unsqueeze(0) for i in self.indices], 0)
+        pending = platform.start_differentiable_collective(
+            "all_gather", stacked, mesh.get_group(self.step.mesh_dim), (dim + 1,), observer)
+
+        def finish():
+            gathered, out = pending.wait(), list(dts)
+            for j, (i, placements) in enumerate(zip(self.indices, self.targets)):
+                # each rank's queries give a share of the gathered K/V's gradient: Partial on the
+                # gathered mesh dim, which the all-gather's adjoint (a reduce-scatter) sums once
+                grads = list(placements)
+                grads[self.step.mesh_dim] = Partial()
+                out[i] = DTensor.from_local(gathered[j], mesh, placements, shape=dts[i].shape,
+                                            grad_placements=grads)
+            return out
+        return finish
+
+
+def start_output(out, inputs, ulysses_dims, observer=None):
+    """Start moving the attention output ``out`` (a DTensor on the working mesh) to the caller's
+    sequence split: (finish -> this rank's local block, the output's seq dim, its placements)."""
+    seq = output_seq_dim(out, inputs, ulysses_dims)
+    target = caller_placements(tuple(out.placements), inputs.mesh, out.ndim, seq, inputs.cp_dims)
+    if tuple(out.placements) == tuple(target):
+        local = out.to_local()
+        return (lambda: local), seq, target
+    step = single_step(out.device_mesh, out.shape, out.placements, target, "all_to_all")
+    if step is None:
+        local = out.redistribute(placements=target).to_local()
+        return (lambda: local), seq, target
+    group = inputs.mesh.get_group(step.mesh_dim)
+    pending = get_platform().start_differentiable_collective(
+        "all_to_all", out.to_local(), group, (step.new_dim, step.dim), observer)
+    return pending.wait, seq, target

@@ -1,0 +1,201 @@
+"""ContextParallel(overlap=True) / AsyncContextParallel (SPEC §6 "Overlap"): head-chunk pipelining.
+
+Every rank builds the full q, k, v from one seed and computes single-device attention on the full
+sequence as the reference (k/v heads repeated with repeat_interleave for GQA); its own contiguous
+block then runs through the overlapped module, and the output and dq, dk, dv blocks must match
+within 1e-5 (fp32). ``observe_pipeline`` counts the chunks that really ran pipelined (0 where the
+call is expected to run whole), and one test checks the order of collectives and attention
+compute: chunk c+1's collective starts before chunk c's attention and is waited for after it, in
+forward and in backward (no timing).
+"""
+import pytest
+
+from tests.cases import context_parallel as neutral
+from tests.harness import run_dist
+from tests.harness.frameworks import framework_worlds, run_on
+
+B, D = 2, 4
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+LAYOUTS = {"bshd": (1, 2), "bnsd": (2, 1)}   # layout -> (seq_dim, head_dim)
+POINTS = [(layout, kind, causal) for layout in LAYOUTS for kind in ("sdpa", "matmul")
+          for causal in (True, False)]
+
+
+def _shape(layout, S, H):
+    return (B, S, H, D) if layout == "bshd" else (B, H, S, D)
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def _reference(q, k, v, layout, causal):
+    import torch.nn.functional as F
+    if layout == "bshd":
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return out.transpose(1, 2) if layout == "bshd" else out
+
+
+def _block_index(mesh):
+    if mesh.ndim == 1:
+        return mesh.get_local_rank(), mesh.size()
+    return mesh.get_local_rank("co") * mesh.size("ds") + mesh.get_local_rank("ds"), mesh.size()
+
+
+def _check(mesh, style, layout, kind, causal, Hq, Hkv, chunks_expected, S=16, seed=0):
+    """One overlapped call on this rank's block vs the reference; returns a description."""
+    import torch
+    from hyper_parallel import AsyncContextParallel
+    from hyper_parallel.core.context_parallel.overlap import observe_pipeline
+    from tests.frameworks.torch_adapter import TorchAdapter
+
+    seq, head = LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(seed)
+    full = [torch.randn(_shape(layout, S, h), generator=gen) for h in (Hq, Hkv, Hkv)]
+    w = torch.randn(_shape(layout, S, Hq), generator=gen)
+    ref_leaves = [_leaf(t) for t in full]
+    ref = _reference(*ref_leaves, layout, causal)
+    (ref * w).sum().backward()
+
+    index, parts = _block_index(mesh)
+    leaves = [_leaf(t.chunk(parts, seq)[index]) for t in full]
+    module = AsyncContextParallel(seq_dim=seq, head_dim=head, **style).apply(
+        TorchAdapter.attention(kind, layout), mesh)
+    seen = set()
+    with observe_pipeline(lambda stage, chunk, event: seen.add(chunk)):
+        out = module(*leaves, causal=causal)
+        (out * w.chunk(parts, seq)[index]).sum().backward()
+    where = f"{style} mesh={mesh.mesh_shape} {layout} {kind} causal={causal} Hq={Hq} Hkv={Hkv}"
+    assert len(seen) == chunks_expected, f"{where}: {len(seen)} chunks pipelined, expected {chunks_expected}"
+    torch.testing.assert_close(out, ref.chunk(parts, seq)[index], **TOL, msg=lambda m: f"out {where}: {m}")
+    for name, leaf, ref_leaf in zip("qkv", leaves, ref_leaves):
+        torch.testing.assert_close(leaf.grad, ref_leaf.grad.chunk(parts, seq)[index], **TOL,
+                                   msg=lambda m, n=name: f"d{n} {where}: {m}")
+    return where
+
+
+def _cp_mesh(world):
+    from hyper_parallel import init_device_mesh
+    return init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+
+
+def _grid_case(rank, world, plan, two_d=False):
+    """``plan``: [(style kwargs, Hq, Hkv, chunks expected, points or None for all), ...]."""
+    from hyper_parallel import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("co", "ds")) if two_d else _cp_mesh(world)
+    return [_check(mesh, style, *point, Hq=hq, Hkv=hkv, chunks_expected=n)
+            for style, hq, hkv, n, points in plan for point in (points or POINTS)]
+
+
+UL, AG = {"ulysses_degree": None}, {"ulysses_degree": 1}
+GQA_POINTS = [("bshd", "sdpa", True), ("bnsd", "matmul", False)]
+
+
+def test_overlap_two_ranks():
+    """Ulysses and all-gather KV on 2 ranks, every layout/kernel/causal point, 2 chunks pipelined;
+    GQA with k/v heads divisible by 2·ds pipelined; heads one chunk cannot split over ds (Hq=2)
+    and MQA below the degree (Hkv=1: replicated to 2 heads, not 2 chunks of 2) run whole."""
+    plan = [(UL, 4, 4, 2, None), (AG, 4, 4, 2, None),
+            (UL, 8, 4, 2, GQA_POINTS), (AG, 8, 2, 2, GQA_POINTS),
+            (UL, 2, 2, 0, GQA_POINTS), (UL, 4, 1, 0, GQA_POINTS), (AG, 4, 1, 0, GQA_POINTS)]
+    done = run_dist(2, _grid_case, plan, timeout=600)
+    assert len(done[0]) == 2 * len(POINTS) + 5 * len(GQA_POINTS)
+
+
+def test_overlap_four_ranks_hybrid_and_gqa():
+    """World 4: hybrid (ulysses_degree=2: all-to-all then k/v all-gather, both split) with MHA and
+    GQA, 3 chunks of Ulysses 4 with Hkv=3 < ds (replicated to 12 k/v heads, 4 per chunk), and
+    Ulysses with 4 chunks."""
+    plan = [({"ulysses_degree": 2}, 8, 8, 2, GQA_POINTS), ({"ulysses_degree": 2}, 8, 4, 2, GQA_POINTS),
+            ({"chunks": 3}, 12, 3, 3, GQA_POINTS), ({"chunks": 4}, 16, 16, 4, [("bnsd", "sdpa", True)])]
+    done = run_dist(4, _grid_case, plan, timeout=600)
+    assert len(done[0]) == 7
+
+
+def test_overlap_hybrid_2d_mesh():
+    done = run_dist(4, _grid_case, [({}, 8, 8, 2, GQA_POINTS)], two_d=True, timeout=600)
+    assert len(done[0]) == 2
+
+
+# ============================================================================ the pipeline's order
+def _order_case(rank, world, layout):
+    """Ulysses, 2 chunks: the log of collective events (observe_pipeline) and attention compute
+    (tensor hooks in the module: forward call, backward start at the output, end at q's first op)."""
+    import torch
+    from hyper_parallel import AsyncContextParallel
+    from hyper_parallel.core.context_parallel.overlap import observe_pipeline
+    from tests.frameworks.torch_adapter import TorchAdapter
+
+    log, calls = [], []
+    inner = TorchAdapter.attention("sdpa", layout)
+
+    class Logged(torch.nn.Module):
+        def forward(self, q, k, v, causal=False):
+            c = len(calls)
+            calls.append(c)
+            log.append(("attn", c, "forward"))
+            q = q * 1.0   # its gradient is the last of this attention's backward (q's own comes later)
+            q.register_hook(lambda g: log.append(("attn", c, "backward_end")))
+            out = inner(q, k, v, causal=causal)
+            out.register_hook(lambda g: log.append(("attn", c, "backward_begin")))
+            return out
+
+    seq, head = LAYOUTS[layout]
+    qkv = [torch.randn(_shape(layout, 8, 4)).requires_grad_(True) for _ in range(3)]
+    module = AsyncContextParallel(seq_dim=seq, head_dim=head).apply(Logged(), _cp_mesh(world))
+    with observe_pipeline(lambda stage, chunk, event: log.append((stage, chunk, event))):
+        out = module(*qkv, causal=True)
+        forward_log = list(log)
+        out.sum().backward()
+    at = {entry: i for i, entry in enumerate(log)}
+    # forward: chunk 1's q/k/v travel during chunk 0's attention, chunk 0's output during chunk 1's
+    assert at[("in", 1, "start")] < at[("attn", 0, "forward")] < at[("in", 1, "wait")], forward_log
+    assert at[("out", 0, "start")] < at[("attn", 1, "forward")] < at[("out", 0, "wait")], forward_log
+    # backward: chunk 1's input-gradient all-to-all travels during chunk 0's attention backward,
+    # chunk 0's output-gradient all-to-all during chunk 1's
+    assert at[("in", 1, "grad_start")] < at[("attn", 0, "backward_begin")], log
+    assert at[("attn", 0, "backward_end")] < at[("in", 1, "grad_wait")], log
+    assert at[("out", 0, "grad_start")] < at[("attn", 1, "backward_begin")], log
+    assert at[("attn", 1, "backward_end")] < at[("out", 0, "grad_wait")], log
+    return len(calls)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bnsd"])
+def test_pipeline_overlaps_forward_and_backward(layout):
+    assert run_dist(2, _order_case, layout) == [2, 2]
+
+
+# ============================================================================ projections, errors
+def test_overlap_with_projections():
+    """q, k, v from Linear layers: dx and the projection weights' gradients (summed over ranks)
+    equal one process, for Ulysses and all-gather KV (H=4 on 2 ranks: 2 chunks)."""
+    modes = [{"overlap": True}, {"ulysses_degree": 1, "overlap": True}]
+    done = run_dist(2, neutral.cp_projected, modes, timeout=600)
+    assert len(done[0]) == 4
+
+
+def _errors_case(rank, world):
+    from hyper_parallel import AsyncContextParallel, ContextParallel
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="chunks="):
+            AsyncContextParallel(chunks=bad)
+    assert AsyncContextParallel().overlap and not ContextParallel().overlap
+    assert ContextParallel(overlap=True, chunks=3).chunks == 3
+    return True
+
+
+def test_constructor_errors():
+    assert run_dist(2, _errors_case) == [True, True]
+
+
+# ============================================================================ both platforms
+@pytest.mark.parametrize("framework,world", [p for p in framework_worlds(2) if p.values[0] == "mindspore"])
+def test_overlap_neutral_mindspore(framework, world):
+    """MindSpore runs the same pipeline through its synchronous split collectives (same values)."""
+    plan = [({"overlap": True}, [("bshd", "sdpa", True), ("bnsd", "matmul", False)]),
+            ({"ulysses_degree": 1, "overlap": True}, [("bshd", "matmul", True)])]
+    done = run_on(framework, world, neutral.cp_grid, plan, 16, timeout=600)
+    assert [len(d) for d in done] == [3] * world
