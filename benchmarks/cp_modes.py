@@ -25,6 +25,12 @@ class Mode:
     load_balance: bool
     raw: bool
     kv_exchange: str = "allgather"
+    overlap: bool = False    # ContextParallel(overlap=True): head chunks pipelined (name ends -overlap)
+
+    @property
+    def base(self):
+        """The algorithm's name: the same for its raw and overlapped forms."""
+        return self.name.replace(" (raw)", "").replace("-overlap", "")
 
     def supported(self, cfg, world, fw):
         """None if this mode runs at this size on the framework adapter ``fw``, else why not."""
@@ -43,13 +49,14 @@ class Mode:
             return RAW[self.name.replace(" (raw)", "")](cfg, mesh, fw)
         module = fw.attention(cfg.causal, cfg.kv_heads != cfg.heads)
         ContextParallel(seq_dim=SEQ, head_dim=HEAD, ulysses_degree=self.ulysses,
-                        load_balance=self.load_balance, kv_exchange=self.kv_exchange).apply(module, mesh)
+                        load_balance=self.load_balance, kv_exchange=self.kv_exchange,
+                        overlap=self.overlap).apply(module, mesh)
         return module
 
     def formula_elements(self, cfg, world):
         """Elements one rank sends in one forward: the closed form of docs/context_parallel.md."""
         B, S, P, hq, hkv, D = cfg.batch, cfg.seq, world, cfg.heads, cfg.kv_heads, cfg.head_dim
-        base = self.name.replace(" (raw)", "")
+        base = self.base
         if base == "ulysses":
             return (P - 1) / P * B * (S / P) * D * (2 * hq + 2 * hkv)
         if base in ("allgather", "allgather-lb", "ring", "ring-zigzag"):
@@ -66,7 +73,7 @@ class Mode:
     def causal_work(self, cfg, world, rank):
         """(query, key) pairs the kernel visits on this rank, per head group."""
         S, P = cfg.seq, world
-        base = self.name.replace(" (raw)", "")
+        base = self.base
         if not cfg.causal or base.startswith("ulysses"):
             return 1.0
         if base.startswith("hybrid"):
@@ -88,6 +95,9 @@ MODES = [
     Mode("ring", 1, False, False, "ring"),
     Mode("ring-zigzag", 1, True, False, "ring"),
     Mode("hybrid-ring", 2, False, False, "ring"),
+    Mode("ulysses-overlap", None, False, False, overlap=True),
+    Mode("allgather-overlap", 1, False, False, overlap=True),
+    Mode("hybrid-overlap", 2, False, False, overlap=True),
     Mode("ulysses (raw)", None, False, True),
     Mode("allgather (raw)", 1, False, True),
     Mode("allgather-lb (raw)", 1, True, True),

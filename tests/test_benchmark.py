@@ -26,7 +26,8 @@ def test_benchmark_json(tmp_path, extra):
     payload, stdout = _run(tmp_path, *extra)
     rows = {r["mode"]: r for r in payload["rows"]}
     expected = {"reference (1 device)", "ulysses", "allgather", "allgather-lb", "ring", "ring-zigzag",
-                "ulysses (raw)", "allgather (raw)", "allgather-lb (raw)"}
+                "ulysses (raw)", "allgather (raw)", "allgather-lb (raw)", "ulysses-overlap",
+                "allgather-overlap"}
     assert expected <= set(rows), sorted(rows)
     assert rows["hybrid"].get("skipped"), "hybrid needs 1 < ulysses_degree < world: skipped on 2 ranks"
     for name in expected - {"reference (1 device)"}:
