@@ -7,7 +7,7 @@ from hyper_parallel.core.context_parallel.checks import (NAMES, check_across_ran
                                                          first_call_of_signature,
                                                          check_whole_sequence, normalise_dims,
                                                          suspect_whole_sequence)
-from hyper_parallel.core.context_parallel.fused_collectives import to_mode
+from hyper_parallel.core.context_parallel.fused_collectives import mode_dtensors
 from hyper_parallel.core.context_parallel.layouts import input_placements
 from hyper_parallel.core.context_parallel.load_balance import merge_head_tail, split_head_tail
 from hyper_parallel.core.context_parallel.mask_mode import with_masks
@@ -239,11 +239,9 @@ def run_attention(style, cp_mesh, qkv, call):
         done = run_overlapped(style, inputs, ulysses_dims, gather_dims, call)
         if done is not None:
             return _deliver(style, inputs, *done)
-    mesh, seq, head = inputs.mesh, inputs.seq, inputs.head
-    dts = [DTensor.from_local(t, mesh, p, shape=s) for t, p, s in
-           zip(inputs.locals, inputs.placements, inputs.shapes)]
     # one fused all-to-all for q, k, v and one all-gather for k, v where the layout allows
-    q, k, v = to_mode(dts, seq, head, ulysses_dims, gather_dims)
+    q, k, v = mode_dtensors(inputs.mesh, inputs.locals, inputs.placements, inputs.shapes, inputs.seq,
+                            inputs.head, ulysses_dims, gather_dims)
     if style.load_balance:
         return _deliver(style, inputs, *_load_balanced(inputs, k, v, call))
     out = first_output(call(q, k, v))

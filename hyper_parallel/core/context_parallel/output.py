@@ -12,10 +12,21 @@ sequence dim of the output is
 
 Then every CP mesh dim is moved onto that dim, outer first, so each rank holds its contiguous
 block of the output's sequence; splits by other mesh dims (TP heads) stay as the output has them.
+
+The decision depends only on the output's layout and shape and on the inputs' signature, so it is
+made once per signature (a steady-state call looks it up), and the move to the caller's split and
+to a local tensor is one autograd function (``redistribute(...).to_local()`` fused: the same
+collectives, the same gradient layouts, one graph node instead of two DTensor wrappers).
 """
-from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.dtensor.layout import placements_from_orders, shard_orders
+from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
+from hyper_parallel.core.dtensor.layout import grad_placements, placements_from_orders, shard_orders
 from hyper_parallel.core.dtensor.placement_types import Replicate
+from hyper_parallel.core.dtensor.redistribute import redistribute_local
+from hyper_parallel.platform import get_platform
+
+_DECISIONS = {}
+_LIMIT = 4096
+_FUNCTIONS = {}
 
 
 def _fail(out, why, fix="return the output with its sequence on a dim of its own length, e.g. in q's "
@@ -67,12 +78,60 @@ def caller_placements(placements, mesh, ndim, seq, cp_dims):
     return placements_from_orders(orders, non_shard, mesh.mesh_shape)
 
 
+def _decision(out, inputs, ulysses_dims):
+    """(the output's seq dim, the caller's placements, its spec): cached per signature; every input
+    of output_seq_dim / caller_placements is in the key, so a hit is the same decision."""
+    spec = out._spec
+    key = (id(inputs.mesh), spec.placements, spec.shape, tuple(inputs.shapes[0]), inputs.seq, inputs.head,
+           tuple(inputs.cp_dims), tuple(ulysses_dims))
+    found = _DECISIONS.get(key)
+    if found is not None and found[3] is inputs.mesh and found[2].mesh is spec.mesh:
+        return found
+    seq = output_seq_dim(out, inputs, ulysses_dims)
+    target = caller_placements(tuple(out.placements), inputs.mesh, out.ndim, seq, inputs.cp_dims)
+    found = (seq, target, spec.with_placements(target), inputs.mesh)
+    if len(_DECISIONS) >= _LIMIT:
+        _DECISIONS.clear()
+    _DECISIONS[key] = found   # holds the mesh: its id cannot be reused while the entry lives
+    return found
+
+
+def _local_forward(ctx, out, target_spec):
+    spec = out._spec
+    ctx.target_spec = target_spec
+    ctx.grad_spec = spec.with_placements(grad_placements(spec.placements))
+    local = redistribute_local(out._local_tensor, spec.mesh, spec.shape, spec.placements,
+                               target_spec.placements)
+    return local.view_as(local)   # a tensor of its own, as to_local's
+
+
+def _local_backward(ctx, grad):
+    # to_local's backward (the gradient in the target layout), then redistribute's (back to the
+    # output's gradient layout)
+    return as_layout(DTensor._make(grad.contiguous(), ctx.target_spec), ctx.grad_spec), None
+
+
+def _to_local_as(out, target_spec):
+    """``out.redistribute(target).to_local()`` as one differentiable step."""
+    platform = get_platform()
+    if not (platform.is_grad_enabled() and out.requires_grad):
+        return _local_forward(_NoCtx(), out, target_spec)
+    fn = _FUNCTIONS.get(platform.name)
+    if fn is None:
+        fn = _FUNCTIONS[platform.name] = platform.make_autograd_function("ToCallerLocal", _local_forward,
+                                                                         _local_backward)
+    return fn(out, target_spec)
+
+
+class _NoCtx:
+    pass
+
+
 def to_caller(out, inputs, ulysses_dims):
     """(this rank's local block of the output, the output's seq dim, its placements on the working
     mesh)."""
-    seq = output_seq_dim(out, inputs, ulysses_dims)
-    target = caller_placements(tuple(out.placements), inputs.mesh, out.ndim, seq, inputs.cp_dims)
-    return out.redistribute(placements=target).to_local(), seq, target
+    seq, target, target_spec, _ = _decision(out, inputs, ulysses_dims)
+    return _to_local_as(out, target_spec), seq, target
 
 
 def first_output(out):
