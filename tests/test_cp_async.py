@@ -11,6 +11,7 @@ forward and in backward (no timing).
 import pytest
 
 from tests.cases import context_parallel as neutral
+from tests.cases import cp_overlap as overlap_cases
 from tests.harness import run_dist
 from tests.harness.frameworks import framework_worlds, run_on
 
@@ -194,8 +195,44 @@ def test_constructor_errors():
 # ============================================================================ both platforms
 @pytest.mark.parametrize("framework,world", [p for p in framework_worlds(2) if p.values[0] == "mindspore"])
 def test_overlap_neutral_mindspore(framework, world):
-    """MindSpore runs the same pipeline through its synchronous split collectives (same values)."""
+    """MindSpore runs the same pipeline (2 chunks, H=8 on 2 ranks) through its synchronous split
+    collectives: same values; no gradient events, its collectives run at the start."""
     plan = [({"overlap": True}, [("bshd", "sdpa", True), ("bnsd", "matmul", False)]),
             ({"ulysses_degree": 1, "overlap": True}, [("bshd", "matmul", True)])]
-    done = run_on(framework, world, neutral.cp_grid, plan, 16, timeout=600)
-    assert [len(d) for d in done] == [3] * world
+    done = run_on(framework, world, overlap_cases.overlapped_grid, plan, 16, timeout=600)
+    for checks, events in done:
+        assert len(checks) == 3
+        events = {tuple(e) for e in events}
+        assert {("in", c, "start") for c in (0, 1)} <= events and ("out", 1, "wait") in events, events
+        assert not any(e[2].startswith("grad") for e in events), events
+
+
+def _dtensor_case(rank, world, layout):
+    """A CP DTensor q, k, v in -> a CP DTensor out (Shard(seq)), values and gradients of one device."""
+    import torch
+    from hyper_parallel import AsyncContextParallel, DTensor, Shard
+    from tests.frameworks.torch_adapter import TorchAdapter
+    seq, head = LAYOUTS[layout]
+    mesh = _cp_mesh(world)
+    gen = torch.Generator().manual_seed(3)
+    full = [torch.randn(_shape(layout, 8, 4), generator=gen) for _ in range(3)]
+    ref_leaves = [_leaf(t) for t in full]
+    ref = _reference(*ref_leaves, layout, True)
+    ref.sum().backward()
+    me = mesh.get_local_rank()
+    leaves = [_leaf(t.chunk(world, seq)[me]) for t in full]
+    dts = [DTensor.from_local(t, mesh, [Shard(seq)]) for t in leaves]
+    module = AsyncContextParallel(seq_dim=seq, head_dim=head).apply(
+        TorchAdapter.attention("sdpa", layout), mesh)
+    out = module(*dts, causal=True)
+    assert isinstance(out, DTensor) and tuple(out.placements) == (Shard(seq),), out
+    torch.testing.assert_close(out.to_local(), ref.chunk(world, seq)[me], **TOL)
+    out.to_local().sum().backward()
+    for leaf, ref_leaf in zip(leaves, ref_leaves):
+        torch.testing.assert_close(leaf.grad, ref_leaf.grad.chunk(world, seq)[me], **TOL)
+    return True
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bnsd"])
+def test_overlap_dtensor_in_dtensor_out(layout):
+    assert run_dist(2, _dtensor_case, layout) == [True, True]
