@@ -7,7 +7,8 @@ A tile covers global query positions [q0, q0+ql) and key positions [k0, k0+kl) o
   diagonal) -- no compute at all;
 * ``full``: every query sees every key -- the kernel without a mask;
 * ``causal``: exactly the top-left causal triangle (q0 == k0) -- the kernel's own causal mask;
-* ``masked``: anything else -- the kernel with the tile's boolean mask (nb, 1, ql, kl).
+* ``masked``: anything else -- the kernel with the tile's boolean mask (nb, 1, ql, kl), built from
+  the ids when the kernel reaches the tile and dropped after it (``tile_mask``).
 
 The decisions are computed where the ids live (on the CPU when the caller follows the advice in
 masks.py), and only a ``masked`` tile's mask moves to the device of q.
@@ -56,12 +57,13 @@ def _content_mask(masks, rows, q, k):
     return mask
 
 
-def tile(masks, rows, q, k, causal):
-    """(kind, mask) of one tile; the mask is set only for ``masked`` (shape (nb, 1, ql, kl))."""
+def _visible(masks, rows, q, k, causal):
+    """(kind by the causal mask alone, the tile's (nb, ql, kl) visibility or None for all-visible,
+    the causal triangle or None) of a tile."""
     by_causal = _causal_only(q, k) if causal else "full"
     if by_causal == "skip":
-        return "skip", None
-    mask = _content_mask(masks, rows, q, k)
+        return "skip", None, None
+    mask, triangle = _content_mask(masks, rows, q, k), None
     if causal and by_causal != "full":
         platform = get_platform()
         device = mask.device if mask is not None else None
@@ -71,13 +73,27 @@ def tile(masks, rows, q, k, causal):
         mask = triangle.unsqueeze(0) if mask is None else mask & triangle
         if mask.shape[0] != rows.length:
             mask = mask.expand((rows.length, q.length, k.length))
-        if by_causal == "causal" and bool((mask == triangle).all()):
-            return "causal", None
+    return by_causal, mask, triangle
+
+
+def tile_kind(masks, rows, q, k, causal):
+    """The kind of one tile (the tile's mask is built to decide, then dropped: see ``tile_mask``)."""
+    by_causal, mask, triangle = _visible(masks, rows, q, k, causal)
+    if by_causal == "skip":
+        return "skip"
+    if by_causal == "causal" and bool((mask == triangle).all()):
+        return "causal"
     if mask is None or bool(mask.all()):
-        return "full", None
+        return "full"
     if not bool(mask.any()):
-        return "skip", None
-    return "masked", mask.unsqueeze(1)
+        return "skip"
+    return "masked"
 
 
-__all__ = ["Span", "spans", "tile"]
+def tile_mask(masks, rows, q, k, causal):
+    """The (nb, 1, ql, kl) mask of a ``masked`` tile, built again where the kernel runs the tile, so
+    no more than one tile's mask is alive at a time."""
+    return _visible(masks, rows, q, k, causal)[1].unsqueeze(1)
+
+
+__all__ = ["Span", "spans", "tile_kind", "tile_mask"]

@@ -7,7 +7,7 @@ log-sum-exp; skipped tiles cost nothing. ``forward`` returns (out, lse) with lse
 on rows that see no key, so blocks from other ranks (ring steps) merge in safely; ``backward``
 recomputes each tile's gradients from the final (out, lse) of its rows.
 """
-from hyper_parallel.core.context_parallel.block_masks import Span, spans, tile
+from hyper_parallel.core.context_parallel.block_masks import Span, spans, tile_kind, tile_mask
 from hyper_parallel.core.dtensor.ops.attention import expand_heads, fold_heads
 from hyper_parallel.platform import get_platform
 
@@ -28,7 +28,9 @@ def _key_tiles(q_tiles, k_span, size):
 
 
 def plan(masks, rows, q_span, k_span, causal):
-    """[(query tile, [(key tile, kind, mask)])], skipped key tiles left out."""
+    """[(query tile, [(key tile, kind)])], skipped key tiles left out. Only the kinds are kept (a few
+    bytes per tile): a ``masked`` tile's mask is rebuilt from the ids where it is used, so a call holds
+    one tile's mask at a time, not every partial tile's (O(B·S·block) over a Ulysses rank's S)."""
     size = masks.block_size
     q_tiles = spans(q_span, size)
     k_tiles = _key_tiles(q_tiles, k_span, size)
@@ -36,9 +38,9 @@ def plan(masks, rows, q_span, k_span, causal):
     for q in q_tiles:
         keys = []
         for k in k_tiles:
-            kind, mask = tile(masks, rows, q, k, causal)
+            kind = tile_kind(masks, rows, q, k, causal)
             if kind != "skip":
-                keys.append((k, kind, mask))
+                keys.append((k, kind))
         result.append((q, keys))
     return result
 
@@ -84,10 +86,10 @@ def forward(q, k, v, masks, rows, q_span, k_span, causal, scale):
         return None
     for q_tile, keys in tiles:
         qt, acc = _narrow(q, q_tile, q_span), None
-        for k_tile, kind, mask in keys:
+        for k_tile, kind in keys:
             kt, vt = (expand_heads(_narrow(t, k_tile, k_span), groups) for t in (k, v))
             if kind == "masked":
-                mask = _on(mask, q)
+                mask = _on(tile_mask(masks, rows, q_tile, k_tile, causal), q)
                 out, lse = platform.attention_block_forward(qt, kt, vt, False, scale, mask=mask)
                 empty = ~mask.any(-1)   # (nb, 1, ql): the kernel's lse for such rows is not -inf
                 lse = lse.masked_fill(empty, NEG_INF)
@@ -118,9 +120,11 @@ def backward(grad_out, q, k, v, out, lse, masks, rows, q_span, k_span, causal, s
         qt, gt, ot = (_narrow(t, q_tile, q_span) for t in (q, grad_out, out))
         lt = live_lse.narrow(SEQ, q_tile.start - q_span.start, q_tile.length)
         dqt = qt.new_zeros(tuple(qt.shape), dtype=acc)
-        for k_tile, kind, mask in keys:
+        for k_tile, kind in keys:
             kt, vt = (expand_heads(_narrow(t, k_tile, k_span), groups) for t in (k, v))
-            extra = {"mask": _on(mask, q)} if kind == "masked" else {}
+            extra = {}
+            if kind == "masked":
+                extra["mask"] = _on(tile_mask(masks, rows, q_tile, k_tile, causal), q)
             dqb, dkb, dvb = platform.attention_block_backward(gt, qt, kt, vt, ot, lt, kind == "causal",
                                                               scale, **extra)
             dqt = dqt + dqb

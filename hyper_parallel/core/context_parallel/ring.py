@@ -1,25 +1,38 @@
 """Ring attention: K/V blocks travel rank to rank while each rank merges partial results by their
 log-sum-exp, so no rank ever holds more than two K/V blocks (memory O(S/P)).
 
+One loop serves every ring: what runs on a (local query chunk, visiting key chunk) pair is a
+*block kernel* given the pair's global positions. ``CausalBlocks`` (here) skips chunks wholly above
+the causal diagonal and runs the kernel's causal mask on the diagonal; ``MaskedBlocks``
+(masked_ring.py) runs the tiled masked kernel of ``attention_masks`` and skips the tiles a document
+boundary, padding or the diagonal empties. A kernel returns None for a pair it skips.
+
 Forward, P steps: start sending the current K/V block to the next rank, attend the local queries
-to it (skipping blocks wholly above the causal diagonal, the causal kernel on the diagonal), merge
-in float32, then take the block that arrived. Backward recomputes each block's gradients from the
-saved output and log-sum-exp; dK/dV accumulators travel with their blocks (P-1 hops, the last one
-home), in the input dtype, so backward moves twice the forward bytes and keeps the same memory bound.
-Both hops overlap compute: a step starts the next K/V hop before its kernels and takes the dK/dV
-accumulator sent during the previous step only after them.
+to it, merge in float32, then take the block that arrived. Backward recomputes each block's
+gradients from the saved output and log-sum-exp; dK/dV accumulators travel with their blocks (P-1
+hops, the last one home), in the input dtype, so backward moves twice the forward bytes and keeps
+the same memory bound. Both hops overlap compute: a step starts the next K/V hop before its kernels
+and takes the dK/dV accumulator sent during the previous step only after them.
+
+The ring runs once per group of K/V heads (``HEAD_GROUPS``, see ``_head_ranges``): every per-step
+buffer (the two K/V blocks, the dK/dV hop's send and receive buffers, the kernel's outputs, the
+own block's dK/dV) then covers half the heads, which keeps a rank's peak memory at about twice
+single-device attention for any P; the bytes sent are the same, in twice the messages.
 
 With ``zigzag`` each rank holds two sequence chunks (ids 2r and 2P-1-2r of 2P, see load_balance.py)
 so every rank does the same causal work.
 """
 from dataclasses import dataclass
 
+from hyper_parallel.core.context_parallel.block_masks import Span
+from hyper_parallel.core.context_parallel.masked_attention import empty_result
 from hyper_parallel.core.dtensor.ops.attention import expand_heads as _expand_heads
 from hyper_parallel.core.dtensor.ops.attention import fold_heads as _fold_heads
 from hyper_parallel.core.dtensor.ops.attention import merge_blocks as _merge
 from hyper_parallel.platform import get_platform
 
-SEQ = -2  # kernels see (batch, heads, seq, dim)
+SEQ, HEADS = -2, -3  # kernels see (batch, heads, seq, dim); the log-sum-exp is (batch, heads, seq)
+HEAD_GROUPS = 2      # rings per call, each on a slice of the K/V heads (1 where they do not divide)
 
 
 @dataclass(frozen=True)
@@ -38,11 +51,44 @@ class RingLayout:
             return (2 * position, 2 * self.size - 1 - 2 * position)
         return (position,)
 
+    def spans(self, position, length):
+        """Global spans of the chunks held at ``position`` when each rank's block is ``length`` long."""
+        ids = self.chunk_ids(position)
+        size = length // len(ids)
+        return [Span(i * size, size) for i in ids]
 
-def _relation(q_id, k_id, causal):
-    if not causal or k_id < q_id:
-        return "full"
-    return "diag" if k_id == q_id else "skip"
+
+class CausalBlocks:
+    """The unmasked block kernel: a key chunk after the query chunk is skipped under ``causal``, the
+    same chunk runs the kernel's causal mask, an earlier one runs unmasked."""
+    merge = staticmethod(_merge)
+    empty = staticmethod(empty_result)   # never needed: every query chunk sees its own chunk
+
+    def __init__(self, causal, scale):
+        self.causal, self.scale = causal, scale
+
+    def _relation(self, q_span, k_span):
+        if not self.causal or k_span.start < q_span.start:
+            return "full"
+        return "diag" if k_span.start == q_span.start else "skip"
+
+    def forward(self, q, k, v, q_span, k_span):
+        relation = self._relation(q_span, k_span)
+        if relation == "skip":
+            return None
+        groups = q.shape[HEADS] // k.shape[HEADS]
+        return get_platform().attention_block_forward(q, _expand_heads(k, groups), _expand_heads(v, groups),
+                                                      relation == "diag", self.scale)
+
+    def backward(self, grad_out, q, k, v, out, lse, q_span, k_span):
+        relation = self._relation(q_span, k_span)
+        if relation == "skip":
+            return None
+        groups = q.shape[HEADS] // k.shape[HEADS]
+        dq, dk, dv = get_platform().attention_block_backward(
+            grad_out, q, _expand_heads(k, groups), _expand_heads(v, groups), out, lse, relation == "diag",
+            self.scale)
+        return dq, _fold_heads(dk, groups), _fold_heads(dv, groups)
 
 
 class _Ring:
@@ -59,91 +105,112 @@ class _Ring:
                                      async_op=True)
 
 
-def _forward(ctx, q, k, v, layout, causal, scale):
-    platform = get_platform()
-    ring, n_sub = _Ring(layout), len(layout.chunk_ids(0))
-    groups = q.shape[-3] // k.shape[-3]
-    q_parts = q.chunk(n_sub, SEQ)
-    my_ids = layout.chunk_ids(layout.index)
-    acc = [None] * n_sub
-    kv = (k.contiguous(), v.contiguous())
-    for step in range(layout.size):
-        holder = (layout.index - step) % layout.size
-        pending = ring.start(kv) if step < layout.size - 1 else None
-        k_parts, v_parts = kv[0].chunk(n_sub, SEQ), kv[1].chunk(n_sub, SEQ)
-        for i, qi in enumerate(q_parts):
-            for j, k_id in enumerate(layout.chunk_ids(holder)):
-                relation = _relation(my_ids[i], k_id, causal)
-                if relation == "skip":
-                    continue
-                out, lse = platform.attention_block_forward(
-                    qi, _expand_heads(k_parts[j], groups), _expand_heads(v_parts[j], groups),
-                    relation == "diag", scale)
-                acc[i] = _merge(acc[i], out, lse)
-        # drop every reference to the block just used (views, the finished send) before the next
-        # exchange allocates its receive buffers: at most two blocks are alive at any time
-        k_parts = v_parts = None
-        if pending is not None:
-            kv = tuple(pending.wait())
-            pending = None
-    out = platform.cat([a[0] for a in acc], SEQ % q.ndim).to(q.dtype)
-    lse = platform.cat([a[1] for a in acc], -1)
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.layout, ctx.causal, ctx.scale = layout, causal, scale
-    return out
-
-
-def _held_block_grads(ctx, parts, holder, kv):
-    """(dq contributions per local chunk, dk, dv of the held block in the accumulator dtype) for
-    one backward step; chunks a causal mask skips contribute None (dq) or zeros (dk/dv)."""
-    platform = get_platform()
-    q_parts, g_parts, out_parts, lse_parts = parts
-    layout, causal, scale = ctx.layout, ctx.causal, ctx.scale
-    groups, acc_dtype = q_parts[0].shape[-3] // kv[0].shape[-3], lse_parts[0].dtype
-    n_sub = len(q_parts)
-    my_ids = layout.chunk_ids(layout.index)
-    k_parts, v_parts = kv[0].chunk(n_sub, SEQ), kv[1].chunk(n_sub, SEQ)
-    dq, dk_parts, dv_parts = [None] * n_sub, [None] * n_sub, [None] * n_sub
-    for i in range(n_sub):
-        for j, k_id in enumerate(layout.chunk_ids(holder)):
-            relation = _relation(my_ids[i], k_id, causal)
-            if relation == "skip":
-                continue
-            dqi, dkj, dvj = platform.attention_block_backward(
-                g_parts[i], q_parts[i], _expand_heads(k_parts[j], groups), _expand_heads(v_parts[j], groups),
-                out_parts[i], lse_parts[i], relation == "diag", scale)
-            # out of place: chunks are views in torch but copies in MindSpore
-            dq[i] = _added(dq[i], dqi, acc_dtype)
-            dk_parts[j] = _added(dk_parts[j], _fold_heads(dkj, groups), acc_dtype)
-            dv_parts[j] = _added(dv_parts[j], _fold_heads(dvj, groups), acc_dtype)
-    whole = []
-    for grads, blocks in ((dk_parts, k_parts), (dv_parts, v_parts)):
-        grads = [g if g is not None else b.new_zeros(b.shape, dtype=acc_dtype) for g, b in zip(grads, blocks)]
-        whole.append(grads[0] if n_sub == 1 else platform.cat(grads, SEQ % kv[0].ndim))
-    return dq, whole[0], whole[1]
+def _cat(pieces, dim, like):
+    return pieces[0] if len(pieces) == 1 else get_platform().cat(pieces, dim % like.ndim)
 
 
 def _added(acc, x, dtype):
     return x.to(dtype) if acc is None else acc + x
 
 
-def _backward(ctx, grad_out):
+def _head_ranges(kv_heads):
+    """(first K/V head, count) of each head group the ring runs on in turn."""
+    groups = HEAD_GROUPS if kv_heads % HEAD_GROUPS == 0 else 1
+    size = kv_heads // groups
+    return [(g * size, size) for g in range(groups)]
+
+
+def _per_head_group(q, k, tensors, run):
+    """``run`` on the slices of ``tensors`` (q-shaped, k-shaped or lse-shaped, told by their head
+    count) for each head group; the results' pieces concatenated along the heads."""
+    groups = q.shape[HEADS] // k.shape[HEADS]
+    results = []
+    for start, count in _head_ranges(k.shape[HEADS]):
+        sliced = []
+        for t in tensors:
+            dim = t.ndim + (HEADS if t.ndim == q.ndim else HEADS + 1)
+            per_head = groups if t.shape[dim] == q.shape[HEADS] else 1
+            sliced.append(t.narrow(dim, start * per_head, count * per_head))
+        results.append(run(*sliced))
+        sliced = None
+    return [_cat([r[i] for r in results], HEADS if results[0][i].ndim == q.ndim else -2, results[0][i])
+            for i in range(len(results[0]))]
+
+
+def _ring_forward(layout, kernel, q, k, v):
+    """(out in q's dtype, lse) of this rank's queries against every rank's K/V block."""
+    ring, length = _Ring(layout), q.shape[SEQ]
+    mine = layout.spans(layout.index, length)
+    q_parts = q.chunk(len(mine), SEQ % q.ndim)
+    acc = [None] * len(mine)
+    kv = (k.contiguous(), v.contiguous())
+    for step in range(layout.size):
+        pending = ring.start(kv) if step < layout.size - 1 else None
+        visiting = layout.spans((layout.index - step) % layout.size, length)
+        k_parts, v_parts = (t.chunk(len(visiting), SEQ % t.ndim) for t in kv)
+        for i, q_span in enumerate(mine):
+            for j, k_span in enumerate(visiting):
+                got = kernel.forward(q_parts[i], k_parts[j], v_parts[j], q_span, k_span)
+                if got is not None:
+                    acc[i] = kernel.merge(acc[i], *got)
+        # drop every reference to the block just used (views, the finished send) before the next
+        # exchange allocates its receive buffers: at most two blocks are alive at any time
+        k_parts = v_parts = got = None
+        if pending is not None:
+            kv = tuple(pending.wait())
+            pending = None
+    acc = [a if a is not None else kernel.empty(p, v) for a, p in zip(acc, q_parts)]
+    return _cat([a[0] for a in acc], SEQ, q).to(q.dtype), _cat([a[1] for a in acc], -1, acc[0][1])
+
+
+def _forward(ctx, q, k, v, layout, kernel):
+    out, lse = _per_head_group(q, k, (q, k, v), lambda *t: _ring_forward(layout, kernel, *t))
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.layout, ctx.kernel = layout, kernel
+    return out
+
+
+def _held_block_grads(kernel, parts, visiting, kv):
+    """(dq contributions per local chunk, dk, dv of the held block in the accumulator dtype) for
+    one backward step; chunks the kernel skips contribute None (dq) or zeros (dk/dv)."""
+    q_parts, g_parts, out_parts, lse_parts, mine = parts
+    acc_dtype = lse_parts[0].dtype
+    k_parts, v_parts = (t.chunk(len(visiting), SEQ % t.ndim) for t in kv)
+    dq, dk_parts, dv_parts = [None] * len(mine), [None] * len(visiting), [None] * len(visiting)
+    for i, q_span in enumerate(mine):
+        for j, k_span in enumerate(visiting):
+            got = kernel.backward(g_parts[i], q_parts[i], k_parts[j], v_parts[j], out_parts[i], lse_parts[i],
+                                  q_span, k_span)
+            if got is None:
+                continue
+            # out of place: chunks are views in torch but copies in MindSpore
+            dq[i] = _added(dq[i], got[0], acc_dtype)
+            dk_parts[j] = _added(dk_parts[j], got[1], acc_dtype)
+            dv_parts[j] = _added(dv_parts[j], got[2], acc_dtype)
+    whole = []
+    for grads, blocks in ((dk_parts, k_parts), (dv_parts, v_parts)):
+        grads = [g if g is not None else b.new_zeros(b.shape, dtype=acc_dtype) for g, b in zip(grads, blocks)]
+        whole.append(_cat(grads, SEQ, blocks[0]))
+    return dq, whole[0], whole[1]
+
+
+def _ring_backward(layout, kernel, q, k, v, out, lse, grad_out):
     """Step s: start the K/V hop, compute the held block's gradients, then take the dK/dV
     accumulator that the previous rank sent at the end of its step s-1 (its hop overlapped this
     step's compute), add, and send the sum on without waiting; the last hop lands home."""
-    platform = get_platform()
-    q, k, v, out, lse = ctx.saved_tensors
-    layout = ctx.layout
-    ring, n_sub = _Ring(layout), len(layout.chunk_ids(0))
+    ring, length = _Ring(layout), q.shape[SEQ]
+    mine = layout.spans(layout.index, length)
+    n = len(mine)
+    parts = tuple(t.chunk(n, SEQ % t.ndim) for t in (q, grad_out.contiguous(), out))
+    parts += (lse.chunk(n, -1), mine)
     acc_dtype = lse.dtype
-    parts = (q.chunk(n_sub, SEQ), grad_out.contiguous().chunk(n_sub, SEQ), out.chunk(n_sub, SEQ),
-             lse.chunk(n_sub, -1))
-    dq = [None] * n_sub
+    dq = [None] * n
     kv = (k.contiguous(), v.contiguous())
     own = hop = None
     for step in range(layout.size):
         pending = ring.start(kv) if step < layout.size - 1 else None
-        dq_step, dk, dv = _held_block_grads(ctx, parts, (layout.index - step) % layout.size, kv)
+        visiting = layout.spans((layout.index - step) % layout.size, length)
+        dq_step, dk, dv = _held_block_grads(kernel, parts, visiting, kv)
         dq = [d if s is None else _added(d, s, acc_dtype) for d, s in zip(dq, dq_step)]
         # release the block just used (and its views) before the next exchange allocates
         dq_step = kv = None
@@ -164,22 +231,37 @@ def _backward(ctx, grad_out):
             kv = tuple(pending.wait())
             pending = None
     dk, dv = own
+    own = None
     if hop is not None:
         arrived, hop = hop.wait(), None
         dk, dv = dk + arrived[0], dv + arrived[1]
-    grad_q = platform.cat([d if d is not None else p.new_zeros(p.shape) for d, p in zip(dq, parts[0])],
-                          SEQ % q.ndim).to(q.dtype)
-    return grad_q, dk.to(k.dtype), dv.to(v.dtype), None, None, None
+    dq = [d if d is not None else p.new_zeros(p.shape) for d, p in zip(dq, parts[0])]
+    return _cat(dq, SEQ, q).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-_ring_fn = get_platform().make_autograd_function("RingAttention", _forward, _backward)
+def _backward(ctx, grad_out):
+    q, k, v, out, lse = ctx.saved_tensors
+    grads = _per_head_group(q, k, (q, k, v, out, lse, grad_out),
+                            lambda *t: _ring_backward(ctx.layout, ctx.kernel, *t))
+    return tuple(grads) + (None, None)
+
+
+_fn = []  # built on first use: the platform may be chosen after import
+
+
+def run_ring(q, k, v, layout, kernel):
+    """Differentiable ring attention of this rank's (batch, heads, seq, dim) blocks with ``kernel``
+    on each (query chunk, key chunk) pair."""
+    if q.shape[HEADS] % k.shape[HEADS]:
+        raise ValueError(f"ring attention: {q.shape[HEADS]} query heads are not a multiple of "
+                         f"{k.shape[HEADS]} key/value heads")
+    if not _fn:
+        _fn.append(get_platform().make_autograd_function("RingAttention", _forward, _backward))
+    return _fn[0](q, k, v, layout, kernel)
 
 
 def ring_attention(q, k, v, layout, causal=False, scale=None):
     """Attention of local queries against the K/V blocks of every rank in ``layout``'s ring.
 
     q, k, v: this rank's (batch, heads, seq, dim) blocks (k/v may have fewer heads: GQA)."""
-    if q.shape[-3] % k.shape[-3]:
-        raise ValueError(f"ring attention: {q.shape[-3]} query heads are not a multiple of {k.shape[-3]} "
-                         f"key/value heads")
-    return _ring_fn(q, k, v, layout, causal, scale)
+    return run_ring(q, k, v, layout, CausalBlocks(causal, scale))
