@@ -129,6 +129,27 @@ def raw_ulysses(cfg, mesh, fw):
     return run
 
 
+def raw_ulysses_fused(cfg, mesh, fw):
+    """Ulysses with q, k, v in one all-to-all, written by hand (as DeepSpeed/Megatron do): each
+    tensor's heads cut into the P rank blocks, block j of q, k, v side by side, one all-to-all,
+    then each tensor's heads sliced out. Not in MODES (cp_attention's table); cp_overhead times it
+    beside the per-tensor form, since ContextParallel fuses the three as well."""
+    platform, group, P = get_platform(), mesh.get_group(0), mesh.size()
+    gqa = cfg.kv_heads != cfg.heads
+
+    def run(q, k, v):
+        widths = [t.shape[HEAD] // P for t in (q, k, v)]
+        blocks = [t.reshape(t.shape[0], t.shape[1], P, w, t.shape[3]) for t, w in zip((q, k, v), widths)]
+        packed = fw.cat(blocks, HEAD + 1)
+        packed = packed.reshape(q.shape[0], q.shape[1], P * sum(widths), q.shape[3])
+        moved = platform.differentiable_all_to_all(packed, group, HEAD, SEQ)
+        starts = [0, widths[0], widths[0] + widths[1]]
+        q, k, v = (moved[:, :, s:s + w] for s, w in zip(starts, widths))
+        out = fw.sdpa(q, k, v, cfg.causal, gqa)
+        return platform.differentiable_all_to_all(out, group, SEQ, HEAD)
+    return run
+
+
 def raw_allgather(cfg, mesh, fw):
     platform, group = get_platform(), mesh.get_group(0)
     rank, gqa = mesh.get_local_rank(0), cfg.kv_heads != cfg.heads
@@ -145,8 +166,9 @@ def raw_allgather_lb(cfg, mesh, fw):
     partner = mesh.group_ranks(0)[P - 1 - rank]
 
     def swap(t):
-        return t if partner == mesh.get_rank() else platform.differentiable_p2p_exchange(t.contiguous(), partner,
-                                                                                          partner)
+        if partner == mesh.get_rank():
+            return t
+        return platform.differentiable_p2p_exchange(t.contiguous(), partner, partner)
 
     def run(q, k, v):
         k, v = (platform.differentiable_all_gather(t, group, SEQ) for t in (k, v))
@@ -174,4 +196,7 @@ def raw_hybrid(cfg, mesh, fw):
     return run
 
 
-RAW = {"ulysses": raw_ulysses, "allgather": raw_allgather, "allgather-lb": raw_allgather_lb, "hybrid": raw_hybrid}
+RAW = {"ulysses": raw_ulysses, "allgather": raw_allgather, "allgather-lb": raw_allgather_lb,
+       "hybrid": raw_hybrid}
+# second raw forms, timed by cp_overhead beside the first (no row in cp_attention's table)
+RAW_FUSED = {"ulysses": raw_ulysses_fused}

@@ -4,7 +4,9 @@
 and raw rows can see different loads. This script times a mode through ``ContextParallel`` and its
 raw form (``benchmarks.cp_modes``: the same algorithm written with the platform's differentiable
 collectives only) interleaved round by round on the same inputs, and prints the medians and the
-ratio framework / raw, forward (no grad) and forward + backward. Torch, spawned gloo CPU ranks.
+ratio framework / raw, forward (no grad) and forward + backward. For Ulysses a second raw form,
+q, k, v in one hand-packed all-to-all (as ContextParallel moves them), is timed in the same rounds
+and its ratio printed too. Torch, spawned gloo CPU ranks.
 ``--json PATH`` writes the numbers.
 """
 import argparse
@@ -39,7 +41,7 @@ class _Config:
 
 
 def _builds(args, mesh, fw):
-    from benchmarks.cp_modes import MODES
+    from benchmarks.cp_modes import MODES, RAW_FUSED
     modes = {m.name: m for m in MODES}
     names = (args.mode, f"{args.mode} (raw)")
     missing = [n for n in names if n not in modes]
@@ -50,7 +52,10 @@ def _builds(args, mesh, fw):
     why = modes[args.mode].supported(cfg, mesh.size(), fw)
     if why:
         raise SystemExit(f"cp_overhead: {args.mode} cannot run here: {why}")
-    return {"framework": modes[names[0]].build(cfg, mesh, fw), "raw": modes[names[1]].build(cfg, mesh, fw)}
+    fns = {"framework": modes[names[0]].build(cfg, mesh, fw), "raw": modes[names[1]].build(cfg, mesh, fw)}
+    if args.mode in RAW_FUSED:   # ContextParallel fuses q, k, v into one collective: time that by hand too
+        fns["raw_fused"] = RAW_FUSED[args.mode](cfg, mesh, fw)
+    return fns
 
 
 def _timed(torch, fns, blocks, grad_out, rounds):
@@ -102,16 +107,26 @@ def run_rank(args):
 
 
 def _report(args, world, result):
-    ours, raw = result["framework"], result["raw"]
-    ratios = {key: ours[key] / raw[key] for key in ("fwd_ms", "fwd_bwd_ms")}
+    ours = result["framework"]
+    fused = result.pop("raw_fused", None)
+    ratios = {key: ours[key] / result["raw"][key] for key in ("fwd_ms", "fwd_bwd_ms")}
     print(f"{args.mode} at S={args.seq}, world {world}, interleaved medians of {args.rounds} rounds")
-    print(f"{'':<22}{'fwd ms':>10}{'fwd+bwd ms':>12}")
-    for name, row in (("ContextParallel", ours), ("raw collectives", raw)):
-        print(f"{name:<22}{row['fwd_ms']:>10.2f}{row['fwd_bwd_ms']:>12.2f}")
-    print(f"{'ratio':<22}{ratios['fwd_ms']:>10.2f}{ratios['fwd_bwd_ms']:>12.2f}")
+    print(f"{'':<34}{'fwd ms':>10}{'fwd+bwd ms':>12}")
+    rows = [("ContextParallel", ours), ("raw collectives", result["raw"])]
+    if fused is not None:
+        rows.append(("raw, q/k/v in one all-to-all", fused))
+    for name, row in rows:
+        print(f"{name:<34}{row['fwd_ms']:>10.2f}{row['fwd_bwd_ms']:>12.2f}")
+    print(f"{'ratio':<34}{ratios['fwd_ms']:>10.2f}{ratios['fwd_bwd_ms']:>12.2f}")
+    data = {"result": result, "ratio": ratios, "args": vars(args), "world": world}
+    if fused is not None:
+        data["raw_fused"] = fused
+        data["ratio_to_raw_fused"] = {key: ours[key] / fused[key] for key in ("fwd_ms", "fwd_bwd_ms")}
+        print(f"{'ratio to raw, one all-to-all':<34}{data['ratio_to_raw_fused']['fwd_ms']:>10.2f}"
+              f"{data['ratio_to_raw_fused']['fwd_bwd_ms']:>12.2f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"result": result, "ratio": ratios, "args": vars(args), "world": world}, f, indent=1)
+            json.dump(data, f, indent=1)
 
 
 def main(argv=None):

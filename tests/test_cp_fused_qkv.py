@@ -178,3 +178,37 @@ def test_steady_state_derives_nothing():
     for first, later in results:
         assert first["mode_placements"] > 0 and first["output_seq_dim"] == 1, first
         assert later == {"mode_placements": 0, "output_seq_dim": 0}, later
+
+
+def _raw_forms_case(rank, world):
+    """benchmarks.cp_modes: the hand-packed one-all-to-all Ulysses equals the per-tensor one."""
+    import torch
+    from benchmarks.cp_frameworks import framework_ops
+    from benchmarks.cp_modes import RAW, RAW_FUSED
+    from hyper_parallel import init_device_mesh
+    from hyper_parallel.platform import get_platform
+
+    class Config:
+        batch, seq, head_dim, causal = 1, 8 * world, 4, True
+
+    mesh = init_device_mesh("cpu", (world,))
+    fw = framework_ops(get_platform(), "float32")
+    for heads, kv_heads in ((4, 4), (4, 2)):
+        cfg = Config()
+        cfg.heads, cfg.kv_heads = heads, kv_heads
+        gen = torch.Generator().manual_seed(rank)
+        blocks = [torch.randn(1, 8, h, 4, generator=gen) for h in (heads, kv_heads, kv_heads)]
+        grad = torch.randn(1, 8, heads, 4, generator=gen)
+        results = []
+        for make in (RAW["ulysses"], RAW_FUSED["ulysses"]):
+            leaves = [t.clone().requires_grad_() for t in blocks]
+            out = make(cfg, mesh, fw)(*leaves)
+            out.backward(grad)
+            results.append([out.detach()] + [t.grad for t in leaves])
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, **TOL)
+    return True
+
+
+def test_raw_fused_ulysses_equals_raw_ulysses():
+    assert run_dist(2, _raw_forms_case, timeout=300) == [True, True]
