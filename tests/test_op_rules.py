@@ -186,15 +186,16 @@ def _flat(out):
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-def _check_case(rank, world_size, mesh_shape, name):
-    """Every layout of case ``name``: forward values, shapes, local pieces and the gradient of every
-    floating input equal torch on the full tensors, and no op takes the replicated fallback."""
+def _check_case(rank, world_size, mesh_shape, name, table=None):
+    """Every layout of case ``name`` (of ``table()``, default this file's): forward values, shapes,
+    local pieces and the gradient of every floating input equal torch on the full tensors, and no op
+    takes the replicated fallback."""
     import torch
     from hyper_parallel import DTensor, init_device_mesh
     from hyper_parallel.core.dtensor.fallback import recording_fallbacks
 
     mesh = init_device_mesh("cpu", tuple(mesh_shape))
-    build, op, layouts = _case_table()[name]
+    build, op, layouts = (table or _case_table)()[name]
     for mesh_dim in range(mesh.ndim):
         for layout in layouts:
             tag = f"{name} {layout} on mesh dim {mesh_dim}"

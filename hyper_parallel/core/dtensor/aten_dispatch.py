@@ -5,6 +5,7 @@ optimizer updates, in-place methods and ops with no user-level rule. Autograd is
 so the redistributions here are plain (non-differentiable) moves.
 """
 from hyper_parallel.core.dtensor import writeback
+from hyper_parallel.core.dtensor.aten_rules import copy_source, run_by_rule
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
 from hyper_parallel.core.dtensor.dispatch import common_mesh, ensure_leaf_grad_layout
 from hyper_parallel.core.dtensor.fallback import report_missing_rule
@@ -118,7 +119,7 @@ def _fill(func, args, kwargs):
     target = args[0]
     name = _op_name(func)
     if name == "copy_":
-        func(target._local_tensor, _move(args[1], target._spec), *args[2:], **kwargs)
+        func(target._local_tensor, copy_source(args[1], target._spec), *args[2:], **kwargs)  # broadcasts
         return target
     if name == "fill_" and any(p.is_partial() for p in target._spec.placements):
         raise ValueError(f"fill_ on a Partial DTensor {target._spec.placements} is ambiguous; "
@@ -167,7 +168,11 @@ def _foreach(func, args, kwargs):
 def _fallback(func, args, kwargs):
     leaves, structure = tree_flatten((args, kwargs))
     mesh = common_mesh(leaves, _op_name(func))
-    screen(_op_name(func), leaves)  # an op no interceptor can pass or take over: refused
+    # an op no interceptor can pass or take over: refused; with none, an aten-level rule may run it
+    if screen(_op_name(func), leaves) is None:
+        result = run_by_rule(func, args, kwargs)
+        if result is not NotImplemented:
+            return result
     report_missing_rule(str(getattr(func, "__name__", func)))
     if get_platform().is_grad_enabled():
         for leaf in leaves:  # a leaf's gradient keeps the leaf's placements, via this path too

@@ -148,7 +148,8 @@ def dispatch_function(name, func, args, kwargs, record=None):
     leaves, structure = tree_flatten((args, kwargs))
     interceptor = screen(name, leaves)
     rule = get_rule(name)
-    if rule is None or _asks_in_place(func, args, kwargs):
+    # out=: the rules compute a new tensor; the aten level writes it into out (aten_rules.py)
+    if rule is None or _asks_in_place(func, args, kwargs) or kwargs.get("out") is not None:
         return NotImplemented
     mesh = common_mesh(leaves, name)
     leaves = [promote_plain(x, mesh) for x in leaves]

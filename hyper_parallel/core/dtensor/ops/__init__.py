@@ -2,6 +2,7 @@
 from hyper_parallel.core.dtensor.ops.registry import OpCall, OpStrategy, get_rule, register_rule, registered_ops
 from hyper_parallel.core.dtensor.ops import (  # noqa: F401  (registration side effects)
     addmm,
+    advanced_index,
     attention,
     concat,
     dropout,
@@ -9,6 +10,7 @@ from hyper_parallel.core.dtensor.ops import (  # noqa: F401  (registration side 
     einsum,
     embedding,
     factories_like,
+    flip,
     index_ops,
     logsumexp,
     loss,

@@ -16,6 +16,9 @@ runs on the local pieces as it is. Per mesh dim, in order of preference:
   - otherwise everything replicated.
 * scatter*(x, d, index, src or value): x, the index and src split on one dim e != d where all
   three have the same size; otherwise replicated (a Partial input is reduced first).
+* index_add / index_copy (x, d, index, source) and index_fill (x, d, index, value): x and source
+  split on one dim e != d where both have the same size, the (1-D) index and value replicated;
+  otherwise replicated. Their in-place forms run through these rules (aten_rules.py).
 """
 import functools
 
@@ -140,6 +143,22 @@ def scatter_rule(call, x, d, index, src):
         chosen = next((s.placements[m] for s in specs if _aligned(specs, s.placements[m], d)), Replicate())
         per_dim.append((chosen,) * 4)
     return _strategy(call, [x, index, src], per_dim)
+
+
+def _index_update(call, x, d, index, other):
+    specs = [call.spec(t) for t in (x, other) if call.spec(t) is not None]
+    if any(s.ndim != specs[0].ndim for s in specs) or call.index(other) == 0:
+        return None
+    per_dim = []
+    for m in range(call.mesh_ndim):
+        chosen = next((s.placements[m] for s in specs if _aligned(specs, s.placements[m], d)), Replicate())
+        source = chosen if call.spec(other) is not None and call.spec(other).ndim else Replicate()
+        per_dim.append((chosen, Replicate(), source, chosen))
+    return _strategy(call, [x, index, other], per_dim)
+
+
+for _name, _third in (("index_add", "source"), ("index_copy", "source"), ("index_fill", "value")):
+    _indexing_rule(_name, third=lambda call, third=_third: third)(_index_update)
 
 
 __all__ = ["gather_rule", "index_select_rule", "scatter_rule"]
