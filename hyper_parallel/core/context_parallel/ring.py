@@ -211,9 +211,10 @@ def _ring_backward(layout, kernel, q, k, v, out, lse, grad_out):
         pending = ring.start(kv) if step < layout.size - 1 else None
         visiting = layout.spans((layout.index - step) % layout.size, length)
         dq_step, dk, dv = _held_block_grads(kernel, parts, visiting, kv)
+        # release the block just used (and its views) before anything else is allocated
+        kv = None
         dq = [d if s is None else _added(d, s, acc_dtype) for d, s in zip(dq, dq_step)]
-        # release the block just used (and its views) before the next exchange allocates
-        dq_step = kv = None
+        dq_step = None
         if step == 0:
             own = (dk, dv)
         else:

@@ -1,0 +1,259 @@
+"""One ring loop, two block kernels (ring.py's ``CausalBlocks``, masked_ring.py's ``MaskedBlocks``).
+
+* ``masked_ring_attention`` directly (packed documents + padding, causal or not, contiguous and
+  zigzag chunks, K/V heads that split into the ring's head groups and heads that do not, GQA) equals
+  single-device SDPA with the equivalent dense mask, output and dq, dk, dv within 1e-5 (fp32);
+* both kernels send the same bytes, the dK/dV hops in the input dtype (bf16 backward = 2x forward);
+* both kernels overlap their hops: in forward every K/V hop has a kernel call between its start and
+  its wait, in backward every hop but the last dK/dV hop home of each head group (events recorded by
+  wrapping the platform's p2p exchange and block kernels: an order, not a time);
+* peak live bytes of a fwd+bwd (the platform's storage tracker) stay within 2.5x single-device
+  attention at the same local length, at P = 2 and 4, for both kernels.
+"""
+from tests.harness import run_dist
+
+B, HQ, D = 2, 4, 4
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+DOCS = [[5, 11, 3, 13], [9, 2, 16, 5]]     # document lengths per batch row (sum 32 = S at P = 4)
+
+
+def _masks(S):
+    import torch
+    ids = []
+    for row in DOCS:
+        scale = S / sum(row)
+        ends = [round(scale * sum(row[:i + 1])) for i in range(len(row))]
+        ids.append([sum(pos >= e for e in ends) for pos in range(S)])
+    padding = torch.ones(B, S, dtype=torch.bool)
+    padding[0, :3] = False          # left padding: with causal, rows that see no key at all
+    padding[1, S - 6:] = False      # right padding
+    return torch.tensor(ids), padding
+
+
+def _dense(ids, padding, causal, S):
+    import torch
+    allowed = (ids.unsqueeze(-1) == ids.unsqueeze(-2)) & padding.unsqueeze(-2)
+    if causal:
+        allowed &= torch.ones(S, S, dtype=torch.bool).tril()
+    return allowed.unsqueeze(1)
+
+
+def _pick(t, rank, P, zigzag):
+    import torch
+    if not zigzag:
+        return t.chunk(P, 2)[rank]
+    chunks = t.chunk(2 * P, 2)
+    return torch.cat([chunks[2 * rank], chunks[2 * P - 1 - 2 * rank]], 2)
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def _masked_case(rank, world):
+    import torch
+    import torch.nn.functional as F
+    from hyper_parallel import attention_masks
+    from hyper_parallel.core.context_parallel.masked_ring import masked_ring_attention
+    from hyper_parallel.core.context_parallel.ring import RingLayout
+
+    S = 8 * world
+    ids, padding = _masks(S)
+    done = []
+    for zigzag in (False, True):
+        for hkv in (1, 2, 4):          # 1: one head group; 2 (GQA) and 4: two groups
+            for causal in (True, False):
+                gen = torch.Generator().manual_seed(len(done))
+                full = [torch.randn(B, h, S, D, generator=gen) for h in (HQ, hkv, hkv)]
+                w = torch.randn(B, HQ, S, D, generator=gen)
+                refs = [_leaf(t) for t in full]
+                ref = F.scaled_dot_product_attention(*refs, attn_mask=_dense(ids, padding, causal, S),
+                                                     enable_gqa=True)
+                (ref * w).sum().backward()
+                mine = [_leaf(_pick(t, rank, world, zigzag)) for t in full]
+                with attention_masks(document_ids=ids, padding_mask=padding, block_size=3) as masks:
+                    out = masked_ring_attention(*mine, RingLayout(tuple(range(world)), rank, zigzag), masks,
+                                                causal)
+                where = f"zigzag={zigzag} kv_heads={hkv} causal={causal} P={world}"
+                torch.testing.assert_close(out, _pick(ref.detach(), rank, world, zigzag), **TOL,
+                                           msg=lambda m: f"out {where}: {m}")
+                (out * _pick(w, rank, world, zigzag)).sum().backward()
+                for name, leaf, r in zip("qkv", mine, refs):
+                    torch.testing.assert_close(leaf.grad, _pick(r.grad, rank, world, zigzag), **TOL,
+                                               msg=lambda m, n=name: f"d{n} {where}: {m}")
+                done.append(where)
+    return done
+
+
+def test_masked_ring_matches_single_device():
+    done = run_dist(4, _masked_case, timeout=600)
+    assert [len(d) for d in done] == [12] * 4
+
+
+def _bytes_case(rank, world):
+    """(forward bytes, backward bytes) sent per kernel, bf16, 2 K/V heads."""
+    import torch
+    from hyper_parallel import attention_masks
+    from hyper_parallel.core.comm_mode import CommDebugMode
+    from hyper_parallel.core.context_parallel.masked_ring import masked_ring_attention
+    from hyper_parallel.core.context_parallel.ring import RingLayout, ring_attention
+
+    S, hkv = 8 * world, 2
+    ids, padding = _masks(S)
+    layout = RingLayout(tuple(range(world)), rank)
+    kernels = {"unmasked": lambda q, k, v, m: ring_attention(q, k, v, layout, True),
+               "masked": lambda q, k, v, m: masked_ring_attention(q, k, v, layout, m, True)}
+    result = {}
+    for name, kernel in kernels.items():
+        q, k, v = (torch.randn(B, h, S // world, D).bfloat16().requires_grad_() for h in (HQ, hkv, hkv))
+        with attention_masks(document_ids=ids, padding_mask=padding) as masks:
+            with CommDebugMode() as comm:
+                out = kernel(q, k, v, masks)
+            fwd = comm.get_comm_bytes()
+            with CommDebugMode() as comm:
+                out.float().sum().backward()
+            result[name] = (fwd, comm.get_comm_bytes())
+    return result
+
+
+def test_both_kernels_send_the_ring_bytes_in_the_input_dtype():
+    world = 4
+    hop = 2 * B * (8 * world // world) * 2 * D * 2          # a K and a V block, 2 heads, bf16
+    for result in run_dist(world, _bytes_case, timeout=300):
+        for name, (fwd, bwd) in result.items():
+            assert dict(fwd) == {"send_recv": (world - 1) * hop}, (name, fwd)
+            assert dict(bwd) == {"send_recv": 2 * (world - 1) * hop}, (name, bwd)
+
+
+class _Events:
+    """Records, in order, block-kernel calls and the start / wait of every ring hop."""
+
+    def __init__(self, platform):
+        self.platform, self.log = platform, []
+
+    def __enter__(self):
+        p = self.platform
+        originals = {n: getattr(p, n) for n in ("p2p_exchange", "attention_block_forward",
+                                                "attention_block_backward")}
+        log = self.log
+
+        class Handle:
+            def __init__(self, inner, hop):
+                self.inner, self.hop = inner, hop
+
+            def wait(self):
+                log.append(("wait", self.hop))
+                return self.inner.wait()
+
+        def exchange(*args, **kwargs):
+            hop = len([e for e in log if e[0] == "start"])
+            log.append(("start", hop))
+            return Handle(originals["p2p_exchange"](*args, **kwargs), hop)
+
+        def kernel(name):
+            def call(*args, **kwargs):
+                log.append(("kernel", name))
+                return originals[name](*args, **kwargs)
+            return call
+        p.p2p_exchange = exchange
+        p.attention_block_forward = kernel("attention_block_forward")
+        p.attention_block_backward = kernel("attention_block_backward")
+        self.originals = originals
+        return self
+
+    def __exit__(self, *exc):
+        for name in self.originals:
+            delattr(self.platform, name)   # back to the class's method
+
+    def exposed(self):
+        """Hops waited with no kernel call since their start."""
+        started, exposed = {}, 0
+        for i, event in enumerate(self.log):
+            if event[0] == "start":
+                started[event[1]] = i
+            elif event[0] == "wait":
+                between = self.log[started[event[1]] + 1:i]
+                exposed += not any(e[0] == "kernel" for e in between)
+        return exposed
+
+
+def _order_case(rank, world):
+    """{kernel: (exposed forward hops, exposed backward hops, head groups)}: padding only, not
+    causal, so every visiting block has work for every query chunk."""
+    import torch
+    from hyper_parallel import attention_masks
+    from hyper_parallel.core.context_parallel.masked_ring import masked_ring_attention
+    from hyper_parallel.core.context_parallel.ring import RingLayout, _head_ranges, ring_attention
+    from hyper_parallel.platform import get_platform
+
+    S, hkv = 8 * world, 2
+    _, padding = _masks(S)
+    layout = RingLayout(tuple(range(world)), rank)
+    result = {}
+    for name in ("unmasked", "masked"):
+        q, k, v = (torch.randn(B, h, S // world, D).requires_grad_() for h in (HQ, hkv, hkv))
+        with attention_masks(padding_mask=padding) as masks:
+            with _Events(get_platform()) as fwd:
+                out = (ring_attention(q, k, v, layout) if name == "unmasked"
+                       else masked_ring_attention(q, k, v, layout, masks))
+            with _Events(get_platform()) as bwd:
+                out.sum().backward()
+        result[name] = (fwd.exposed(), bwd.exposed(), len(_head_ranges(hkv)))
+    return result
+
+
+def test_both_kernels_overlap_every_hop_but_the_last_one_home():
+    for result in run_dist(4, _order_case, timeout=300):
+        for name, (fwd, bwd, groups) in result.items():
+            assert fwd == 0, (name, result)
+            assert bwd == groups, (name, result)
+
+
+def _live_bytes(inputs):
+    """The platform's storage tracker (torch CPU), told that the caller's inputs pre-exist: a view of
+    an input made inside the region (a narrow, a chunk) is not new memory."""
+    from hyper_parallel.platform.torch.memory import _LiveBytes
+    mode = _LiveBytes()
+    mode._seen.update(t.untyped_storage().data_ptr() for t in inputs)
+    return mode
+
+
+def _memory_case(rank, world):
+    """{(P, kernel): peak live bytes of a ring fwd+bwd / single-device SDPA's} at a local length of
+    64 tokens, for rings of 2 and world ranks (ranks outside a ring of 2 ring alone)."""
+    import torch
+    import torch.nn.functional as F
+    from hyper_parallel import attention_masks
+    from hyper_parallel.core.context_parallel.masked_ring import masked_ring_attention
+    from hyper_parallel.core.context_parallel.ring import RingLayout, ring_attention
+    from hyper_parallel.platform import get_platform
+
+    L, H = 64, 8
+    q, k, v, g = (torch.randn(1, H, L, 16) for _ in range(4))
+
+    def peak(fn):
+        leaves = [_leaf(t) for t in (q, k, v)]
+        with _live_bytes(leaves + [g]) as mem:
+            fn(*leaves).backward(g)
+        return mem.peak
+    single = peak(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True))
+    ratios = {}
+    for P in (2, world):
+        ranks = tuple(range(P)) if rank < P else (rank,)
+        layout = RingLayout(ranks, ranks.index(rank))
+        ids = (torch.arange(L * len(ranks)) * 3 // (L * len(ranks))).unsqueeze(0)   # 3 documents
+        with attention_masks(document_ids=ids, block_size=16) as masks:
+            ratios[(P, "unmasked")] = peak(lambda a, b, c: ring_attention(a, b, c, layout, True)) / single
+            ratios[(P, "masked")] = peak(lambda a, b, c: masked_ring_attention(a, b, c, layout, masks,
+                                                                               True)) / single
+        get_platform().barrier()
+    return ratios
+
+
+def test_ring_memory_within_two_and_a_half_single_device():
+    """Measured (L = 64, H = 8, causal, fp32): single-device SDPA 5 q-sized blocks (output, dq, dk,
+    dv, a gradient copy); the ring about 10.5 from P = 4 on (output; half-head K/V block in use and
+    arriving, dK/dV hop send and receive, own block's dK/dV, the kernel's outputs, dq; the first head
+    group's finished gradients). Without head groups it was 15."""
+    for ratios in run_dist(4, _memory_case, timeout=300):
+        assert all(r <= 2.5 for r in ratios.values()), ratios
