@@ -20,17 +20,29 @@ def _cases(torch):
         ("softmax with a kwarg", lambda x, w: F.softmax(x @ w, dim=-1), (s0, r)),
         ("replicated inputs (pass-through)", lambda x, w: torch.tanh(x @ w) - x, (r, r)),
         ("column split weight", lambda x, w: F.gelu(x @ w) + 1, (r, (Shard(1),))),
+        # the matmul hands tanh's output a Partial(sum) gradient, which passes through tanh and
+        # the mul to x's leaf hook (GradPassThrough)
+        ("pass-through into a column split", lambda x, w: torch.tanh(x * 2.0) @ w, (r, (Shard(1),))),
         ("cast to float64", lambda x, w: (x * w[0]).to(torch.float64), (s0, r)),
+        # the general path (three arguments, a keyword); x twice, then x thrice in one call (the
+        # latter leaves autograd to the slow path's nodes: see fast_path._run_differentiable)
+        ("addcmul x, x, x @ w", lambda x, w: torch.addcmul(x, x, x @ w, value=0.5), (s0, r)),
+        ("addcmul x, x, x", lambda x, w: torch.addcmul(x, x, x, value=0.5), (s0, r)),
+        ("x in four ops", lambda x, w: (x * 2.0 + torch.relu(x)) - torch.maximum(torch.tanh(x),
+                                                                                 torch.sigmoid(x)), (s0, r)),
     ]
+
+
+GRAD_MODES = (None, "x and w", "x only")   # which inputs require grad
 
 
 def _run(fn, x, w, mesh, placements, grad):
     from hyper_parallel import distribute_tensor
-    dx = distribute_tensor(x, mesh, list(placements[0])).requires_grad_(grad)
-    dw = distribute_tensor(w, mesh, list(placements[1])).requires_grad_(grad)
+    dx = distribute_tensor(x, mesh, list(placements[0])).requires_grad_(grad is not None)
+    dw = distribute_tensor(w, mesh, list(placements[1])).requires_grad_(grad == "x and w")
     out = fn(dx, dw)
     meta = (type(out).__name__, tuple(out.shape), tuple(out.stride()), out.dtype, out.requires_grad,
-            out.placements, tuple(out.to_local().shape))
+            out.placements, tuple(out.to_local().shape), type(out.grad_fn).__name__, out.is_leaf)
     grads = None
     if grad:
         (out * out).sum().backward()
@@ -48,7 +60,7 @@ def fast_equals_slow(rank, world_size):
     x, w = torch.randn(4 * world_size, 8, generator=g), torch.randn(8, 8, generator=g)
     checked = []
     for label, fn, placements in _cases(torch):
-        for grad in (False, True):
+        for grad in GRAD_MODES:
             decision_cache.clear()   # the first run takes the full dispatcher and records
             slow = _run(fn, x, w, mesh, placements, grad)
             assert decision_cache.STATS["fast_hits"] == 0, (label, decision_cache.STATS)
@@ -58,7 +70,7 @@ def fast_equals_slow(rank, world_size):
             assert decision_cache.STATS["rule_evaluations"] == evaluations, (label, decision_cache.STATS)
             assert fast[1] == slow[1], (label, grad, fast[1], slow[1])
             torch.testing.assert_close(fast[0], slow[0], atol=0, rtol=0)
-            rx, rw = x.clone().requires_grad_(grad), w.clone().requires_grad_(grad)
+            rx, rw = x.clone().requires_grad_(grad is not None), w.clone().requires_grad_(grad == "x and w")
             ref = fn(rx, rw)
             torch.testing.assert_close(fast[0], ref.detach(), **TOL)
             if grad:
@@ -75,7 +87,7 @@ def fast_equals_slow(rank, world_size):
 
 def test_fast_path_equals_slow_path_and_one_device():
     results = run_dist(2, fast_equals_slow)
-    assert results[0] == results[1] and len(results[0]) == 18
+    assert results[0] == results[1] and len(results[0]) == 13 * len(GRAD_MODES)
 
 
 def fast_path_boundaries(rank, world_size):
@@ -118,3 +130,90 @@ def fast_path_boundaries(rank, world_size):
 def test_fast_path_boundaries():
     results = run_dist(2, fast_path_boundaries)
     assert results[0] == results[1]
+
+
+def _slow_then_fast(torch, build):
+    """``build()`` once through the full dispatcher (caches cleared), then again through the fast
+    path; both results (flat lists of tensors / values) must be identical."""
+    from hyper_parallel.core.dtensor import decision_cache
+    decision_cache.clear()
+    slow = build()
+    assert decision_cache.STATS["fast_hits"] == 0, (build.__name__, decision_cache.STATS)
+    fast = build()
+    assert decision_cache.STATS["fast_hits"] > 0, (build.__name__, decision_cache.STATS)
+    assert len(fast) == len(slow)
+    for got, want in zip(fast, slow):
+        if isinstance(want, torch.Tensor):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+        else:
+            assert got == want, (got, want)
+    return slow
+
+
+def fast_autograd_semantics(rank, world_size):
+    """What autograd offers on an intermediate result (retain_grad, hooks, torch.autograd.grad,
+    in-place updates, no_grad, detach) works the same through the fast path's nodes."""
+    import torch
+    from hyper_parallel import Replicate, Shard, distribute_tensor, init_device_mesh
+    mesh = init_device_mesh("cpu", (world_size,))
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(4 * world_size, 8, generator=g), torch.randn(8, 8, generator=g)
+
+    def leaves():
+        return (distribute_tensor(x, mesh, [Shard(0)]).requires_grad_(),
+                distribute_tensor(w, mesh, [Replicate()]).requires_grad_())
+
+    def retain_and_hook():
+        dx, dw = leaves()
+        y = dx @ dw
+        y.retain_grad()
+        z = torch.relu(y) * 2.0
+        z.register_hook(lambda grad: grad * 3.0)
+        (z * z).sum().backward()
+        return [y.grad.full_tensor(), dx.grad.full_tensor(), dw.grad.full_tensor(), y.grad.placements]
+
+    def grad_of_intermediate():
+        dx, dw = leaves()
+        y = dx + dx
+        z = (y @ dw) * 2.0
+        gy, gw = torch.autograd.grad((z * z).sum(), [y, dw])
+        return [gy.full_tensor(), gw.full_tensor(), gy.placements, gw.placements]
+
+    def in_place_on_output():
+        dx, dw = leaves()
+        y = dx * 2.0
+        y.add_(1.0)     # the aten level, on the fast path's output
+        z = y @ dw
+        (z * z).sum().backward()
+        return [y.full_tensor().detach(), dx.grad.full_tensor(), dw.grad.full_tensor(),
+                type(y.grad_fn).__name__]
+
+    def no_grad_and_detached():
+        dx, dw = leaves()
+        with torch.no_grad():
+            a = torch.relu(dx)
+        b = dx.detach() * 2.0
+        c = dx.detach() @ dw     # only w requires grad
+        return [a.requires_grad, a.grad_fn is None, b.requires_grad, c.requires_grad,
+                type(c.grad_fn).__name__, a.full_tensor(), c.full_tensor().detach()]
+
+    checked = []
+    for build in (retain_and_hook, grad_of_intermediate, in_place_on_output, no_grad_and_detached):
+        _slow_then_fast(torch, build)
+        checked.append(build.__name__)
+    # against one device
+    rx, rw = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ry = rx @ rw
+    ry.retain_grad()
+    rz = torch.relu(ry) * 2.0
+    rz.register_hook(lambda grad: grad * 3.0)
+    (rz * rz).sum().backward()
+    got = retain_and_hook()
+    for a, b in zip(got[:3], (ry.grad, rx.grad, rw.grad)):
+        torch.testing.assert_close(a, b, **TOL)
+    return checked
+
+
+def test_fast_path_autograd_semantics():
+    results = run_dist(2, fast_autograd_semantics)
+    assert results[0] == results[1] and len(results[0]) == 4

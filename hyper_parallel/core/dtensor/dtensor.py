@@ -194,12 +194,16 @@ def _to_local_forward(ctx, dtensor, grad_spec, passthrough=None):
 
 
 def _to_local_backward(ctx, grad):
-    spec = ctx.grad_spec
-    if ctx.passthrough is not None and ctx.passthrough.partial:
-        keep = ctx.passthrough.partial
+    return DTensor._make(grad.contiguous(), _input_grad_spec(ctx.grad_spec, ctx.passthrough)), None, None
+
+
+def _input_grad_spec(spec, passthrough):
+    """An input's gradient spec, Partial(sum) where the op's output gradient passed through."""
+    if passthrough is not None and passthrough.partial:
+        keep = passthrough.partial
         spec = spec.with_placements(tuple(_PARTIAL_SUM if m in keep else p
                                           for m, p in enumerate(spec.placements)))
-    return DTensor._make(grad.contiguous(), spec), None, None
+    return spec
 
 
 def _redistribute_forward(ctx, dtensor, placements):

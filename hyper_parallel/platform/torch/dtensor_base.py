@@ -62,13 +62,15 @@ class TorchDTensorBase(torch.Tensor):
             cls, shape, strides=_contiguous_strides(shape), dtype=local_tensor.dtype,
             device=local_tensor.device, layout=local_tensor.layout, requires_grad=requires_grad)
 
-    @staticmethod
-    def _hp_fast_new(cls, local_tensor, global_shape):
-        """``__new__`` for core's dispatch fast path, which wraps only results of calls that went
-        through ``__new__`` before with the same inputs (so strided): contiguous global strides,
-        no gradient flag, fewest arguments (this runs once per op)."""
-        return torch.Tensor._make_wrapper_subclass(cls, global_shape, dtype=local_tensor.dtype,
-                                                   device=local_tensor.device)
+    # ``__new__`` for core's dispatch fast path, called as ``_hp_fast_new(cls, global_shape,
+    # dtype=, device=)``: it wraps only results of calls that went through ``__new__`` before with
+    # the same inputs (so strided), with contiguous global strides (the default) and no gradient
+    # flag. The C function itself, not a Python frame around it: this runs once per op
+    _hp_fast_new = staticmethod(torch.Tensor._make_wrapper_subclass)
+
+    # grad mode, for core's dispatch fast path: the C function itself, not a Python frame around it
+    _hp_grad_enabled = staticmethod(torch.is_grad_enabled)
+    _hp_detach = torch.Tensor.detach   # a shard's alias without history, for the fast path's nodes
 
     def __reduce_ex__(self, protocol):
         """Pickled as (this rank's piece, mesh description, placements, global shape)."""
@@ -111,17 +113,17 @@ class TorchDTensorBase(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         name = OP_NAMES.get(func)
         if name is not None:
             # core reads DTensor attributes (dtype, requires_grad...) while it dispatches: with the
-            # subclass's torch function off, each read is a plain attribute read
+            # subclass's torch function off, each read is a plain attribute read. ``kwargs`` may be
+            # None (core's fast path tests it rather than building an empty dict per op)
             with torch._C.DisableTorchFunctionSubclass():
                 result = cls._hp_function(name, func, args, kwargs)
             if result is not NotImplemented:
                 return result
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            return func(*args, **(kwargs or {}))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

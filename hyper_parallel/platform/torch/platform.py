@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from hyper_parallel.platform.base import Platform
 from hyper_parallel.platform.torch import attention_kernels
+from hyper_parallel.platform.torch.autograd_apply import lean_apply
 from hyper_parallel.platform.torch import factories as tensor_factories
 from hyper_parallel.platform.torch.aten_kinds import aten_kind, foreach_to_single, written_arguments
 from hyper_parallel.platform.torch.collectives import Collectives
@@ -160,7 +161,7 @@ class TorchPlatform(Platform):
         """A differentiable callable from ``forward(ctx, *args)`` / ``backward(ctx, *grads)``."""
         fn = type(name, (torch.autograd.Function,),
                   {"forward": staticmethod(forward), "backward": staticmethod(backward)})
-        return fn.apply
+        return lean_apply(fn)
 
     @staticmethod
     def no_grad():
