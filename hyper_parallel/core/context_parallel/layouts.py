@@ -17,8 +17,25 @@ def _non_shard(placements):
     return [Replicate() if p.is_shard() else p for p in placements]
 
 
+_INPUT = {}
+_LIMIT = 4096
+
+
 def input_placements(mesh, ndim, seq_dim, cp_dims, other=None):
-    """Contiguous sequence blocks over ``cp_dims`` (outer first), plus ``other`` placements."""
+    """Contiguous sequence blocks over ``cp_dims`` (outer first), plus ``other`` placements.
+    Cached per arguments (every ContextParallel call asks, with the same few each step)."""
+    key = (id(mesh), ndim, seq_dim, tuple(cp_dims), None if other is None else tuple(other))
+    hit = _INPUT.get(key)
+    if hit is not None and hit[0] is mesh:
+        return hit[1]
+    if len(_INPUT) >= _LIMIT:
+        _INPUT.clear()
+    found = _input_placements(mesh, ndim, seq_dim, cp_dims, other)
+    _INPUT[key] = (mesh, found)   # holds the mesh: its id cannot be reused while the entry lives
+    return found
+
+
+def _input_placements(mesh, ndim, seq_dim, cp_dims, other):
     placements = list(other) if other is not None else [Replicate()] * mesh.ndim
     orders = _orders(placements, mesh, ndim)
     orders[seq_dim] = list(cp_dims) + orders[seq_dim]

@@ -3,7 +3,8 @@
 Each rank's send buffer holds, for every destination rank j, [q heads block j | k block j | v block j]
 side by side on the head dim (q and k/v may differ in head count: GQA). Built by one ``cat`` of
 rank-block views, it is the only copy forward makes: the all-to-all runs on its leading (rank) dim,
-so the platform copies nothing more, and every received block lands where the result needs it.
+so the platform needs no staging copy of its own (where the group's ranks are in the backend's
+order), and every received block lands where the result needs it.
 Each result is a view of the received buffer: rank j's block is sequence block j, so merging the
 rank dim into the sequence dim is free when no dim before the sequence is longer than 1 (BSHD with
 batch 1); otherwise the reshape copies once, as a per-tensor all-to-all would.
@@ -73,7 +74,9 @@ def _backward(ctx, *grads):
         if grad is None:   # a result that reached no loss (frameworks that pass None for it)
             grad = platform.zeros(tuple(spec.local_shape), dtype=ctx.dtype, device=ctx.device)
         elif isinstance(grad, DTensor):
-            grad = as_layout(grad, grad_spec)._local_tensor
+            # as DTensor.from_local's backward; a gradient already in place needs no plan lookup
+            same = grad._spec.placements == grad_spec.placements and grad._spec.shape == grad_spec.shape
+            grad = grad._local_tensor if same else as_layout(grad, grad_spec)._local_tensor
         parts.append(_split(grad, plan.seq, plan.n))
     # the received layout, all gradients side by side: one copy each, one all-to-all back
     sent_back = platform.all_to_all_single(platform.cat(parts, plan.head + 1), plan.group, 0, 0)
@@ -84,10 +87,16 @@ def _backward(ctx, *grads):
 _FUNCTIONS = {}
 
 
+class _NoCtx:
+    pass
+
+
 def move_qkv(plan, locals_):
     """q, k, v local blocks (sequence split) -> their DTensors in ``plan.specs`` (heads split), by one
     differentiable all-to-all (see the module docstring)."""
     platform = get_platform()
+    if not (platform.is_grad_enabled() and any(platform.requires_grad(t) for t in locals_)):
+        return list(_forward(_NoCtx(), plan, *locals_))   # nothing to record: skip the autograd node
     fn = _FUNCTIONS.get(platform.name)
     if fn is None:
         fn = _FUNCTIONS[platform.name] = platform.make_autograd_function("QKVAllToAll", _forward, _backward)
