@@ -29,8 +29,7 @@ from dataclasses import replace
 
 from hyper_parallel.core.context_parallel.layouts import mode_placements
 from hyper_parallel.core.context_parallel.output import first_output
-from hyper_parallel.core.context_parallel.split_moves import AllGather, AllToAll, start_output
-from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.context_parallel.split_moves import AllGather, AllToAll, Block, start_output
 from hyper_parallel.platform import get_platform
 
 _observers = []
@@ -70,51 +69,66 @@ def chunk_count(style, inputs, ds):
     return n if all(h % (n * ds) == 0 for h in heads) else 1
 
 
-def _chunk(inputs, n, c):
-    """Chunk ``c`` of ``n``: q, k, v DTensors of its heads in the input layout."""
-    head, out = inputs.head, []
-    for t, placements, shape in zip(inputs.locals, inputs.placements, inputs.shapes):
-        width = t.shape[head] // n
-        local = t[(slice(None),) * head + (slice(c * width, (c + 1) * width),)]
+def _chunks(inputs, n):
+    """The ``n`` head chunks: per chunk, the q, k, v blocks of its heads in the input layout (one
+    chunk() per tensor: its backward is one concatenation, not a zero-filled buffer per chunk)."""
+    parts = [t.chunk(n, inputs.head) for t in inputs.locals]
+    shapes = []
+    for shape in inputs.shapes:
         shape = list(shape)
-        shape[head] //= n
-        out.append(DTensor.from_local(local, inputs.mesh, placements, shape=tuple(shape)))
-    return out
+        shape[inputs.head] //= n
+        shapes.append(tuple(shape))
+    return [[Block(pieces[c], tuple(p), shape) for pieces, p, shape in zip(parts, inputs.placements, shapes)]
+            for c in range(n)]
 
 
-def _stages(dts, inputs, ulysses_dims, gather_dims):
+_PLANS = {}   # per call signature: the stages (they hold no tensors)
+
+
+def _stages(blocks, inputs, ulysses_dims, gather_dims):
     """The split moves taking a chunk to the mode's layout, or None where one cannot be split."""
-    mesh, seq, head, ndim = inputs.mesh, inputs.seq, inputs.head, dts[0].ndim
-    staged = [mode_placements(dt.placements, mesh, ndim, seq, head, ulysses_dims, [])[0] for dt in dts]
+    key = (inputs.mesh, inputs.seq, inputs.head, tuple(ulysses_dims), tuple(gather_dims),
+           tuple((b.placements, b.shape, tuple(b.local.shape), b.local.dtype) for b in blocks))
+    if key not in _PLANS:
+        if len(_PLANS) > 256:
+            _PLANS.clear()
+        _PLANS[key] = _plan(blocks, inputs, ulysses_dims, gather_dims)
+    return _PLANS[key]
+
+
+def _plan(blocks, inputs, ulysses_dims, gather_dims):
+    mesh, seq, head, ndim = inputs.mesh, inputs.seq, inputs.head, len(blocks[0].shape)
+    staged = [mode_placements(b.placements, mesh, ndim, seq, head, ulysses_dims, [])[0] for b in blocks]
     stages = []
     if ulysses_dims:
-        stages.append(AllToAll.plan(dts, staged))
+        stages.append(AllToAll.plan(mesh, blocks, staged))
     if gather_dims:
-        targets = [mode_placements(dt.placements, mesh, ndim, seq, head, ulysses_dims, gather_dims)[1]
-                   for dt in dts]
-        stages.append(AllGather.plan(mesh, [dt.shape for dt in dts], staged, targets,
-                                     [dt.to_local().dtype for dt in dts]))
-    return None if not stages or None in stages else stages
+        targets = [mode_placements(b.placements, mesh, ndim, seq, head, ulysses_dims, gather_dims)[1]
+                   for b in blocks]
+        stages.append(AllGather.plan(mesh, [b.shape for b in blocks], staged, targets,
+                                     [b.local.dtype for b in blocks]))
+    return None if not stages or None in stages else tuple(stages)
 
 
 class _Chunk:
     """One head chunk's inputs travelling through its stages, one collective at a time."""
 
-    def __init__(self, index, dts, stages):
-        self.index, self.dts, self.stages = index, dts, list(stages)
+    def __init__(self, index, blocks, stages):
+        self.index, self.blocks, self.stages = index, blocks, list(stages)
         self.finish = None
 
     def advance(self):
         """Finish the collective in flight (if any) and start the next one (if any)."""
         if self.finish is not None:
-            self.dts, self.finish = self.finish(), None
+            self.blocks, self.finish = self.finish(), None
         if self.stages:
-            self.finish = self.stages.pop(0).start(self.dts, _observer("in", self.index))
+            self.finish = self.stages.pop(0).start(self.blocks, _observer("in", self.index))
 
-    def complete(self):
+    def complete(self, mesh):
+        """q, k, v of this chunk as DTensors in the mode's layout."""
         while self.finish is not None or self.stages:
             self.advance()
-        return self.dts
+        return [b.dtensor(mesh) for b in self.blocks]
 
 
 def _output_head_dim(out, seq, inputs, ulysses_dims):
@@ -147,18 +161,18 @@ def run_overlapped(style, inputs, ulysses_dims, gather_dims, call):
     n = chunk_count(style, inputs, ds)
     if n == 1:
         return None
-    chunks = [_chunk(inputs, n, c) for c in range(n)]
+    chunks = _chunks(inputs, n)
     stages = _stages(chunks[0], inputs, ulysses_dims, gather_dims)
     if stages is None:
         return None
-    pipes = [_Chunk(c, dts, stages) for c, dts in enumerate(chunks)]
+    pipes = [_Chunk(c, blocks, stages) for c, blocks in enumerate(chunks)]
     depth = len(stages)
     for pipe in pipes[:depth]:
         pipe.advance()
-    chunk_inputs = replace(inputs, shapes=[tuple(dt.shape) for dt in chunks[0]])
+    chunk_inputs = replace(inputs, shapes=[b.shape for b in chunks[0]])
     outs, layouts = [], set()
     for c, pipe in enumerate(pipes):
-        q, k, v = pipe.complete()
+        q, k, v = pipe.complete(inputs.mesh)
         for later in pipes[c + 1:c + 1 + depth]:
             later.advance()
         out = first_output(call(q, k, v))

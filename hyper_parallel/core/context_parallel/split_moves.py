@@ -11,9 +11,12 @@ redistribution planner says so; checked before any collective, else the caller r
 * ``start_output``: the attention output heads -> sequence, one all-to-all (nothing to move in the
   all-gather KV mode; any other plan runs the ordinary redistribution, unsplit).
 
-``start`` launches through the platform's split collectives (``start_differentiable_collective``)
-and returns ``finish``, which waits and wraps the results as DTensors in the target layout.
+Tensors travel as ``Block``s (local tensor, placements, global shape) so that no DTensor is built
+until a chunk reaches the attention. ``start`` launches through the platform's split collectives
+(``start_differentiable_collective``) and returns ``finish``, which waits and gives the moved blocks.
 """
+from dataclasses import dataclass
+
 from hyper_parallel.core.context_parallel.output import caller_placements, output_seq_dim
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Partial
@@ -32,6 +35,20 @@ def single_step(mesh, shape, src, dst, kind):
     return step
 
 
+@dataclass(frozen=True)
+class Block:
+    """One tensor on the way: this rank's local piece, its placements and global shape, and the
+    placements its gradient is taken in (None: the placements)."""
+    local: object
+    placements: tuple
+    shape: tuple
+    grads: tuple = None
+
+    def dtensor(self, mesh):
+        return DTensor.from_local(self.local, mesh, self.placements, shape=self.shape,
+                                  grad_placements=self.grads)
+
+
 def _steps(mesh, shapes, sources, targets, kind):
     """The shared step moving every tensor (global ``shapes``, ``sources`` placements) to its
     target, or None."""
@@ -41,66 +58,58 @@ def _steps(mesh, shapes, sources, targets, kind):
     return steps[0]
 
 
-def _slice(t, dim, start, length):
-    # basic slicing: differentiable and view-only on every platform
-    return t[(slice(None),) * dim + (slice(start, start + length),)]
-
-
 class AllToAll:
-    """Tensors ``indices`` of a chunk, equal except in their head count, moved by one all-to-all."""
+    """Blocks ``indices`` of a chunk, equal except in their head count, moved by one all-to-all."""
 
-    def __init__(self, indices, step, targets):
-        self.indices, self.step, self.targets = tuple(indices), step, list(targets)
+    def __init__(self, mesh, indices, step, targets):
+        self.mesh, self.indices, self.step, self.targets = mesh, tuple(indices), step, list(targets)
 
     @classmethod
-    def plan(cls, dts, targets, indices=(0, 1, 2)):
-        moved, targets = [dts[i] for i in indices], [targets[i] for i in indices]
-        mesh, locals_ = moved[0].device_mesh, [dt.to_local() for dt in moved]
-        shapes, sources = [dt.shape for dt in moved], [dt.placements for dt in moved]
-        step = _steps(mesh, shapes, sources, targets, "all_to_all")
-        if step is None or len({t.dtype for t in locals_}) != 1:
+    def plan(cls, mesh, blocks, targets, indices=(0, 1, 2)):
+        moved, targets = [blocks[i] for i in indices], [targets[i] for i in indices]
+        step = _steps(mesh, [b.shape for b in moved], [b.placements for b in moved], targets, "all_to_all")
+        if step is None or len({b.local.dtype for b in moved}) != 1:
             return None
         n = mesh.mesh_shape[step.mesh_dim]
-        shapes = [list(t.shape) for t in locals_]
+        shapes = [list(b.local.shape) for b in moved]
         if any(s[step.new_dim] % n for s in shapes):
             return None
         for s in shapes:
             s[step.new_dim] = 0
         if any(s != shapes[0] for s in shapes):
             return None
-        return cls(indices, step, targets)
+        return cls(mesh, indices, step, targets)
 
-    def start(self, dts, observer=None):
+    def start(self, blocks, observer=None):
         platform = get_platform()
-        mesh, split, concat = dts[0].device_mesh, self.step.new_dim, self.step.dim
-        n = mesh.mesh_shape[self.step.mesh_dim]
-        locals_ = [dts[i].to_local() for i in self.indices]
-        blocks = []
+        split, concat = self.step.new_dim, self.step.dim
+        n = self.mesh.mesh_shape[self.step.mesh_dim]
+        locals_ = [blocks[i].local for i in self.indices]
+        parts = []
         for t in locals_:
             shape = list(t.shape)
-            blocks.append(t.reshape(tuple(shape[:split] + [n, shape[split] // n] + shape[split + 1:])))
-        packed = platform.cat(blocks, split + 1)
+            parts.append(t.reshape(tuple(shape[:split] + [n, shape[split] // n] + shape[split + 1:])))
+        packed = platform.cat(parts, split + 1)
         shape = list(packed.shape)
         packed = packed.reshape(tuple(shape[:split] + [shape[split] * shape[split + 1]] + shape[split + 2:]))
         pending = platform.start_differentiable_collective(
-            "all_to_all", packed, mesh.get_group(self.step.mesh_dim), (split, concat), observer)
+            "all_to_all", packed, self.mesh.get_group(self.step.mesh_dim), (split, concat), observer)
         widths = [t.shape[split] // n for t in locals_]
 
         def finish():
-            moved, out, start = pending.wait(), list(dts), 0
-            for i, width, placements in zip(self.indices, widths, self.targets):
-                out[i] = DTensor.from_local(_slice(moved, split, start, width), mesh, placements,
-                                            shape=dts[i].shape)
-                start += width
+            # one split (its backward is one concatenation, not a zero-filled buffer per piece)
+            pieces, out = pending.wait().split(widths, split), list(blocks)
+            for i, piece, placements in zip(self.indices, pieces, self.targets):
+                out[i] = Block(piece, placements, blocks[i].shape)
             return out
         return finish
 
 
 class AllGather:
-    """Tensors ``indices`` (k and v) of one shape, gathered by one all-gather."""
+    """Blocks ``indices`` (k and v) of one shape, gathered by one all-gather."""
 
-    def __init__(self, indices, step, targets):
-        self.indices, self.step, self.targets = tuple(indices), step, list(targets)
+    def __init__(self, mesh, indices, step, targets):
+        self.mesh, self.indices, self.step, self.targets = mesh, tuple(indices), step, list(targets)
 
     @classmethod
     def plan(cls, mesh, shapes, sources, targets, dtypes, indices=(1, 2)):
@@ -109,24 +118,23 @@ class AllGather:
         step = _steps(mesh, pick(shapes), pick(sources), pick(targets), "all_gather")
         if step is None or len({tuple(s) for s in pick(shapes)}) != 1 or len(set(pick(dtypes))) != 1:
             return None
-        return cls(indices, step, pick(targets))
+        return cls(mesh, indices, step, pick(targets))
 
-    def start(self, dts, observer=None):
+    def start(self, blocks, observer=None):
         platform = get_platform()
-        mesh, dim = dts[0].device_mesh, self.step.dim
-        stacked = platform.cat([dts[i].to_local().unsqueeze(0) for i in self.indices], 0)
+        stacked = platform.cat([blocks[i].local.unsqueeze(0) for i in self.indices], 0)
         pending = platform.start_differentiable_collective(
-            "all_gather", stacked, mesh.get_group(self.step.mesh_dim), (dim + 1,), observer)
+            "all_gather", stacked, self.mesh.get_group(self.step.mesh_dim), (self.step.dim + 1,), observer)
 
         def finish():
-            gathered, out = pending.wait(), list(dts)
-            for j, (i, placements) in enumerate(zip(self.indices, self.targets)):
+            gathered, out = pending.wait(), list(blocks)
+            pieces = [p.reshape(tuple(p.shape[1:])) for p in gathered.chunk(len(self.indices), 0)]
+            for piece, i, placements in zip(pieces, self.indices, self.targets):
                 # each rank's queries give a share of the gathered K/V's gradient: Partial on the
                 # gathered mesh dim, which the all-gather's adjoint (a reduce-scatter) sums once
                 grads = list(placements)
                 grads[self.step.mesh_dim] = Partial()
-                out[i] = DTensor.from_local(gathered[j], mesh, placements, shape=dts[i].shape,
-                                            grad_placements=grads)
+                out[i] = Block(piece, placements, blocks[i].shape, tuple(grads))
             return out
         return finish
 
