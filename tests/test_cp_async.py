@@ -169,6 +169,52 @@ def test_pipeline_overlaps_forward_and_backward(layout):
     assert run_dist(2, _order_case, layout) == [2, 2]
 
 
+def _count_case(rank, world, style, H, Hkv, expected):
+    """Collectives of a steady-state call (after a first one ran the shape checks), forward and
+    backward: one fused q/k/v all-to-all (one k/v all-gather) and one output all-to-all per chunk."""
+    import os
+    saved = os.environ.pop("HP_CP_DEBUG", None)  # the default mode (the suite runs in debug mode)
+    try:
+        return _count_steady(world, style, H, Hkv, expected)
+    finally:
+        if saved is not None:
+            os.environ["HP_CP_DEBUG"] = saved
+
+
+def _count_steady(world, style, H, Hkv, expected):
+    import torch
+    from hyper_parallel import AsyncContextParallel
+    from hyper_parallel.platform import get_platform
+    from tests.frameworks.torch_adapter import TorchAdapter
+    mesh = _cp_mesh(world)
+    module = AsyncContextParallel(seq_dim=1, head_dim=2, **style).apply(TorchAdapter.attention("sdpa"), mesh)
+    qkv = [torch.randn(_shape("bshd", 8, h)).requires_grad_(True) for h in (H, Hkv, Hkv)]
+    module(*qkv, causal=True).sum().backward()
+    seen = []
+    observer = lambda op, nbytes, ranks: seen.append(op)  # noqa: E731
+    get_platform().add_comm_observer(observer)
+    try:
+        out = module(*qkv, causal=True)
+        forward = sorted(seen)
+        out.sum().backward()
+    finally:
+        get_platform().remove_comm_observer(observer)
+    assert forward == sorted(expected), forward
+    return sorted(seen[len(forward):])
+
+
+@pytest.mark.parametrize("style,H,Hkv,forward,backward", [
+    ({}, 8, 4, ["all_to_all"] * 4, ["all_to_all"] * 4),
+    ({"ulysses_degree": 1}, 4, 2, ["all_gather"] * 2, ["reduce_scatter"] * 2),
+], ids=["ulysses-gqa", "allgather-gqa"])
+def test_steady_state_collectives(style, H, Hkv, forward, backward):
+    """2 chunks: 2 collectives in, 2 out (Ulysses) or 2 in (all-gather KV), no shape-check
+    all-reduce; backward mirrors them (gloo's reduce-scatter may be emulated by an all-to-all)."""
+    done = run_dist(2, _count_case, style, H, Hkv, forward)
+    for ops in done:
+        assert len(ops) == len(backward) and set(ops) <= {backward[0], "all_to_all"}, ops
+
+
 # ============================================================================ projections, errors
 def test_overlap_with_projections():
     """q, k, v from Linear layers: dx and the projection weights' gradients (summed over ranks)
