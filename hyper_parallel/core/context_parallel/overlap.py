@@ -28,7 +28,7 @@ import contextlib
 from dataclasses import replace
 
 from hyper_parallel.core.context_parallel.layouts import mode_placements
-from hyper_parallel.core.context_parallel.output import first_output
+from hyper_parallel.core.context_parallel.output import first_output, output_seq_dim
 from hyper_parallel.core.context_parallel.split_moves import AllGather, AllToAll, Block, start_output
 from hyper_parallel.platform import get_platform
 
@@ -176,10 +176,11 @@ def run_overlapped(style, inputs, ulysses_dims, gather_dims, call):
         for later in pipes[c + 1:c + 1 + depth]:
             later.advance()
         out = first_output(call(q, k, v))
+        if c == 0:   # where the chunks join, decided before the output moves
+            head = _output_head_dim(out, output_seq_dim(out, chunk_inputs, ulysses_dims), chunk_inputs,
+                                    ulysses_dims)
         finish, seq, placements = start_output(out, chunk_inputs, ulysses_dims, _observer("out", c))
         layouts.add((tuple(out.shape), tuple(out.placements), seq))
-        if c == 0:
-            head = _output_head_dim(out, seq, chunk_inputs, ulysses_dims)
         outs.append(finish)
     if len(layouts) != 1:
         raise ValueError(f"ContextParallel(overlap=True): the head chunks' outputs came back in different "
