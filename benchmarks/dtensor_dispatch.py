@@ -25,12 +25,15 @@ def parse_args(argv=None):
     p.add_argument("--calls", type=int, default=20, help="calls per round and library (default 20)")
     p.add_argument("--dim", type=int, default=64, help="model width of the block (default 64)")
     p.add_argument("--seq", type=int, default=16, help="tokens in the block's batch (default 16)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="time the op table this many times in the same run and print the spread of "
+                        "each ratio (default 1)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
                    help="cpu: this thread's CPU time (default; a shared machine's preemptions are not the "
                         "library's cost); wall: elapsed time")
     args = p.parse_args(argv)
-    for name in ("nproc", "rounds", "calls", "dim", "seq"):
+    for name in ("nproc", "rounds", "calls", "dim", "seq", "repeat"):
         if getattr(args, name) < 1:
             p.exit(2, f"dtensor_dispatch: --{name} must be >= 1, got {getattr(args, name)}\n")
     return args
@@ -148,28 +151,32 @@ def run_rank(args):
     torch.set_num_threads(1)
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo")
-    rows = _op_table(args, torch, tdt)
+    tables = [_op_table(args, torch, tdt) for _ in range(args.repeat)]
     block = _block_step(args, torch, tdt)
     if torch.distributed.get_rank() == 0:
-        _report(args, rows, block)
+        _report(args, tables, block)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-def _report(args, rows, block):
+def _report(args, tables, block):
+    """The last table in full; with --repeat, each ratio's spread over all tables."""
+    rows = tables[-1]
     print(f"clock: {args.clock} ({'CPU time of the timing thread' if args.clock == 'cpu' else 'elapsed'})")
+    spread = len(tables) > 1
     print(f"{'op (µs per call)':<34}{'hyper_parallel':>15}{'torch DTensor':>15}{'plain':>9}"
-          f"{'hp / torch':>12}")
-    print("-" * 85)
+          f"{'hp / torch':>12}" + (f"{'spread':>14}" if spread else ""))
+    print("-" * (99 if spread else 85))
     for name, t in rows.items():
+        ratios = [tab[name]['hyper_parallel'] / tab[name]['torch DTensor'] for tab in tables]
         print(f"{name:<34}{t['hyper_parallel']:>15.1f}{t['torch DTensor']:>15.1f}{t['plain']:>9.1f}"
-              f"{t['hyper_parallel'] / t['torch DTensor']:>12.2f}")
+              f"{ratios[-1]:>12.2f}" + (f"{min(ratios):>8.2f}-{max(ratios):.2f}" if spread else ""))
     ours, theirs = block["hyper_parallel"], block["torch DTensor"]
     print(f"\nTP block fwd+bwd+SGD (dim {args.dim}, seq {args.seq}): hyper_parallel {ours:.0f} µs, "
           f"torch DTensor {theirs:.0f} µs, ratio {ours / theirs:.2f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"ops": rows, "tp_block": block, "args": vars(args)}, f, indent=1)
+            json.dump({"ops": rows, "op_tables": tables, "tp_block": block, "args": vars(args)}, f, indent=1)
 
 
 def main(argv=None):

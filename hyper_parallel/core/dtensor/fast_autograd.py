@@ -7,11 +7,14 @@ the gradient wrapped with the input's gradient spec, Partial(sum) where the outp
 passed through), and a ``FromLocal`` whose backward is the slow path's own and whose forward wraps
 the way the fast path does. On a small op each node costs more than the op itself.
 
+On a platform without the lean hooks (``DTensor._hp_detach``...) the slow path's own nodes run.
+
 ``ToLocals`` hands the op detached aliases of the shards rather than views: the op is one
 out-of-place call that never exposes them, and a detach costs a third of a view. ``FromLocal``
 keeps the slow path's view, since its output is the user's DTensor.
 """
-from hyper_parallel.core.dtensor.dtensor import DTensor, _from_local_backward, _input_grad_spec
+from hyper_parallel.core.dtensor.dtensor import (DTensor, _from_local, _from_local_backward,
+                                                 _input_grad_spec, _to_local)
 from hyper_parallel.platform import get_platform
 
 _make = DTensor._make
@@ -51,11 +54,20 @@ _to_locals_fn = get_platform().make_autograd_function("ToLocals", _to_locals_for
 _from_local_fn = get_platform().make_autograd_function("FromLocal", _from_local_forward, _from_local_backward)
 
 
-# called directly (no wrapper frame): to_locals(grad_specs, passthrough, *dtensors) -> their shards,
-# every DTensor requiring grad under grad mode; from_local(local, spec, passthrough) -> the DTensor
-# of ``local`` (requiring grad, under grad mode)
-to_locals = _to_locals_fn
-from_local = _from_local_fn
+if _detach is not None:
+    # called directly (no wrapper frame): to_locals(grad_specs, passthrough, *dtensors) -> their
+    # shards, every DTensor requiring grad under grad mode; from_local(local, spec, passthrough) ->
+    # the DTensor of ``local`` (requiring grad, under grad mode)
+    to_locals = _to_locals_fn
+    from_local = _from_local_fn
+else:
+    # a platform without the lean hooks (MindSpore, whose autograd bridge has its own Functions):
+    # the slow path's nodes themselves, one per input
+    def to_locals(grad_specs, passthrough, *dtensors):
+        return tuple(_to_local(d, spec, passthrough) for d, spec in zip(dtensors, grad_specs))
+
+    def from_local(local, spec, passthrough):
+        return _from_local(local, spec, passthrough)
 
 
 __all__ = ["from_local", "to_locals"]

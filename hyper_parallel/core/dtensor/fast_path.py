@@ -70,8 +70,17 @@ def _plain_value(value):
     return True
 
 
-def _tracking():
-    return _grad_enabled() if _grad_enabled is not None else get_platform().is_grad_enabled()
+def _platform_grad_enabled():
+    return get_platform().is_grad_enabled()
+
+
+def _platform_requires_grad(tensor):
+    return get_platform().requires_grad(tensor)
+
+
+_tracking = _grad_enabled or _platform_grad_enabled
+_requires_grad = getattr(DTensor, "_hp_requires_grad", None) or _platform_requires_grad
+_is_leaf = getattr(DTensor, "_hp_is_leaf", None)   # else ensure_leaf_grad_layout asks grad_fn
 
 
 def dispatch(name, func, args, kwargs):
@@ -195,7 +204,7 @@ def _run_differentiable(entry, name, func, args, kwargs):
         return dispatch_function(name, func, args, kwargs or {})
     for i in tracked:
         a = args[i]
-        if a.is_leaf and not getattr(a, "_hp_hooked", False):
+        if _is_leaf is None or (_is_leaf(a) and not getattr(a, "_hp_hooked", False)):
             ensure_leaf_grad_layout(a)
     if len(tracked) == len(args):   # every argument a DTensor requiring grad: x + y, relu(x)
         if len(args) == 2 and args[0] is args[1]:
@@ -211,7 +220,7 @@ def _run_differentiable(entry, name, func, args, kwargs):
         for i, local in zip(tracked, to_locals(specs, passthrough, *[args[i] for i in tracked])):
             local_args[i] = local
     out = func(*local_args, **kwargs) if kwargs else func(*local_args)
-    if get_platform().requires_grad(out):
+    if _requires_grad(out):
         return from_local(out, entry.out_spec, passthrough)
     return _make(out, entry.out_spec) if _new is None else _wrap(out, entry)
 

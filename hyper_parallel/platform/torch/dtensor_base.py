@@ -70,6 +70,8 @@ class TorchDTensorBase(torch.Tensor):
 
     # grad mode, for core's dispatch fast path: the C function itself, not a Python frame around it
     _hp_grad_enabled = staticmethod(torch.is_grad_enabled)
+    _hp_requires_grad = torch.Tensor.requires_grad.__get__   # of a plain tensor (a local result)
+    _hp_is_leaf = torch.Tensor.is_leaf.__get__   # of a DTensor, read under DisableTorchFunctionSubclass
     _hp_detach = torch.Tensor.detach   # a shard's alias without history, for the fast path's nodes
 
     def __reduce_ex__(self, protocol):
