@@ -10,7 +10,7 @@ B, H, S, D, BLOCK = 2, 2, 96, 4, 4
 def _inputs():
     import torch
     gen = torch.Generator().manual_seed(0)
-    ids = torch.cat([torch.randint(0, 7, (B, S), generator=gen).sort(-1).values])
+    ids = torch.randint(0, 7, (B, S), generator=gen).sort(-1).values   # packed documents, sorted ids
     padding = torch.ones(B, S, dtype=torch.bool)
     padding[0, :5] = False
     q, k, v, w = (torch.randn(B, H, S, D, generator=gen) for _ in range(4))
