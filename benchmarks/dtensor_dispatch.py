@@ -68,30 +68,34 @@ def _interleaved(candidates, rounds, calls, sync):
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def _op_table(args, torch, tdt):
+def _op_inputs(torch, tdt):
+    """x (rows, 32) Shard(0) and w (32, 32) replicated for each library and as plain tensors,
+    without and with requires_grad; built once, so repeated tables time the same objects."""
     import hyper_parallel as hpl
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     hp_mesh = hpl.init_device_mesh("cpu", (world,))
     t_mesh = tdt.init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(64 * world, 32, generator=g), torch.randn(32, 32, generator=g)
-    hx = hpl.distribute_tensor(x, hp_mesh, [hpl.Shard(0)])
-    hw = hpl.distribute_tensor(w, hp_mesh, [hpl.Replicate()])
-    tx = tdt.distribute_tensor(x, t_mesh, [tdt.Shard(0)])
-    tw = tdt.distribute_tensor(w, t_mesh, [tdt.Replicate()])
-    lx = x.chunk(world)[rank].clone()
+    plain = {"hyper_parallel": (hpl.distribute_tensor(x, hp_mesh, [hpl.Shard(0)]),
+                                hpl.distribute_tensor(w, hp_mesh, [hpl.Replicate()])),
+             "torch DTensor": (tdt.distribute_tensor(x, t_mesh, [tdt.Shard(0)]),
+                               tdt.distribute_tensor(w, t_mesh, [tdt.Replicate()])),
+             "plain": (x.chunk(world)[rank].clone(), w)}
+    grad = {k: tuple(t.detach().requires_grad_() for t in v) for k, v in plain.items()}
+    return plain, grad
+
+
+def _op_table(args, torch, inputs):
+    plain, grad = inputs
     rows = {}
     for name, fn in _ops(torch).items():
-        timed = _interleaved({"hyper_parallel": lambda: fn(hx, hw), "torch DTensor": lambda: fn(tx, tw),
-                              "plain": lambda: fn(lx, w)}, args.rounds, args.calls, lambda: None)
-        rows[name] = timed
+        rows[name] = _interleaved({k: (lambda fn=fn, a=a: fn(*a)) for k, a in plain.items()},
+                                  args.rounds, args.calls, lambda: None)
     # the same chain on inputs that require grad (forward only): autograd nodes are part of the cost
-    gx, gw, glx, glw = (t.detach().requires_grad_() for t in (hx, hw, lx, w))
-    tgx, tgw = (t.detach().requires_grad_() for t in (tx, tw))
     chain = _ops(torch)["chain (x + x) @ w, relu, * 2"]
     rows["chain, inputs requiring grad"] = _interleaved(
-        {"hyper_parallel": lambda: chain(gx, gw), "torch DTensor": lambda: chain(tgx, tgw),
-         "plain": lambda: chain(glx, glw)}, args.rounds, args.calls, lambda: None)
+        {k: (lambda a=a: chain(*a)) for k, a in grad.items()}, args.rounds, args.calls, lambda: None)
     return rows
 
 
@@ -151,7 +155,8 @@ def run_rank(args):
     torch.set_num_threads(1)
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("gloo")
-    tables = [_op_table(args, torch, tdt) for _ in range(args.repeat)]
+    inputs = _op_inputs(torch, tdt)
+    tables = [_op_table(args, torch, inputs) for _ in range(args.repeat)]
     block = _block_step(args, torch, tdt)
     if torch.distributed.get_rank() == 0:
         _report(args, tables, block)
