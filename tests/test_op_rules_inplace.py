@@ -129,6 +129,11 @@ def _in_place_effects(rank, world_size):
         with pytest.raises(ValueError, match="does not resize"):
             torch.where(distribute_tensor(mask, mesh, [Shard(1)]), d, other,
                         out=distribute_tensor(torch.zeros(5, 8), mesh, [Shard(0)]))
+        leaf = distribute_tensor(x, mesh, [Shard(1)]).requires_grad_()
+        leaf[torch.tensor([0, 3, 3])].full_tensor().sum().backward()   # a leaf's gradient: its layout
+        assert leaf.grad.placements == (Shard(1),), leaf.grad.placements
+        torch.testing.assert_close(leaf.grad.full_tensor(), torch.zeros(5, 7).index_put_(
+            (torch.tensor([0, 3, 3]),), torch.ones(3, 7), accumulate=True))
     assert not fallbacks, sorted(fallbacks)
     return True
 

@@ -19,6 +19,7 @@ self's shard directly. Autograd is above this level: these moves are plain, not 
 """
 import functools
 
+from hyper_parallel.core.dtensor.dispatch import ensure_leaf_grad_layout
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
 from hyper_parallel.core.dtensor.ops import get_rule
 from hyper_parallel.core.dtensor.ops.advanced_index import prepare_indices
@@ -42,8 +43,8 @@ _RULE_OF = {
     "index_select": "index_select", "gather": "gather",
     # what the backward of an in-place op runs on DTensors (autograd records it at this level)
     "mm": "matmul", "bmm": "matmul", "mv": "matmul", "t": "t", "transpose": "transpose",
-    "permute": "permute", "view": "view", "_unsafe_view": "view", "expand": "expand", "sum": "sum",
-    "flip": "flip",
+    "permute": "permute", "view": "view", "_unsafe_view": "view", "squeeze": "view", "expand": "expand",
+    "sum": "sum", "flip": "flip",
     # of another size than the input (the gradient of x[idx] starts as grad.new_zeros(x.shape))
     "new_zeros": "new_factory", "new_ones": "new_factory", "new_full": "new_factory",
     "new_empty": "new_factory",
@@ -111,6 +112,9 @@ def run_by_rule(func, args, kwargs):
     mesh = dtensors[0]._spec.mesh
     if any(d._spec.mesh != mesh for d in dtensors):
         return NotImplemented   # the fallback raises the mesh error
+    if get_platform().is_grad_enabled():
+        for d in dtensors:   # a leaf's gradient keeps the leaf's placements, via this path too
+            ensure_leaf_grad_layout(d)
     args, kwargs = prepare_indices(rule_name, mesh, args, kwargs)
     leaves, structure = tree_flatten((args, kwargs))
     leaves = [_promote(x, mesh) for x in leaves]
