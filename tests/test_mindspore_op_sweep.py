@@ -4,7 +4,7 @@ returned to ms.grad / value_and_grad gives single-process gradients; loss_parall
 MindSpore instead of silently doing nothing."""
 import pytest
 
-from tests.cases import ms_op_sweep, ms_losses
+from tests.cases import ms_model_ops, ms_op_sweep, ms_losses
 from tests.harness.frameworks import run_on
 
 pytestmark = pytest.mark.mindspore
@@ -38,3 +38,14 @@ def test_mindspore_core_empty_piece_reductions():
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_mindspore_dtensor_loss_gradients(world_size):
     assert run_on("mindspore", world_size, ms_losses.dtensor_loss_gradients, timeout=300) == [True] * world_size
+
+
+@pytest.mark.parametrize("world_size,mesh_shape", [(4, (4,)), (4, (2, 2))], ids=["1d-4-uneven", "2d-2x2"])
+def test_mindspore_model_ops_take_rules(world_size, mesh_shape):
+    """The primitives mapped to real models' rules (op_names_models.py) equal one process and take
+    the rule (5 and 3 over 4 ranks: uneven pieces, empty ones included)."""
+    results = run_on("mindspore", world_size, ms_model_ops.check, list(mesh_shape), timeout=600)
+    bad = [(rank,) + tuple(r) for rank, rows in enumerate(results) for r in rows
+           if r[2] != "rule" or r[3] is not None]
+    assert not bad, "\n".join(str(r) for r in bad)
+    assert all([r[:3] for r in rows] == [r[:3] for r in results[0]] for rows in results), "ranks disagree"

@@ -42,10 +42,11 @@ def _scan_across(mesh, mesh_dim, dim):
     def local(call, args, kwargs):
         piece = args[0] if args else kwargs["input"]
         out = call.func(*args, **kwargs)               # the scan of this rank's piece
-        total = piece.sum(dim, keepdim=True).to(out.dtype)
+        # platform.local_sum: MindSpore leaves the sum of an empty (uneven) piece uninitialised
+        total = platform.local_sum(piece, dim=dim, keepdim=True).to(out.dtype)
         totals = platform.differentiable_all_gather(total.contiguous(), mesh.get_group(mesh_dim), dim)
         before = mesh.get_local_rank(mesh_dim)
-        return out + totals.narrow(dim, 0, before).sum(dim, keepdim=True)
+        return out + platform.local_sum(totals.narrow(dim, 0, before), dim=dim, keepdim=True)
     return local
 
 

@@ -77,7 +77,7 @@ def _moments_local(name, mesh, mesh_dims, reduced, keepdim, count, correction):
     def local(call, args, kwargs):
         x = args[0]
         mean = all_sum(platform.local_sum(x, dim=reduced, keepdim=True)) / count
-        d = x - mean.detach()
+        d = x - platform.detach(mean)
         square = (d * d.conj()).real if x.is_complex() else d * d
         var = all_sum(platform.local_sum(square, dim=reduced, keepdim=keepdim)) / max(count - correction, 0)
         if name.startswith("std"):
