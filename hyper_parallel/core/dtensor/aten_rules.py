@@ -103,8 +103,8 @@ def run_by_rule(func, args, kwargs):
     rule_name, mode = found
     kwargs = dict(kwargs)
     target = kwargs.pop("out", None) if mode == _OUT else (args[0] if mode == _SELF else None)
-    if mode == _OUT and not isinstance(target, DTensor):
-        return NotImplemented
+    if mode in (_OUT, _SELF) and not isinstance(target, DTensor):
+        return NotImplemented   # a plain tensor written with DTensor operands: the fallback's case
     leaves, structure = tree_flatten((args, kwargs))
     dtensors = [x for x in leaves if isinstance(x, DTensor)]
     if not dtensors:
