@@ -6,14 +6,15 @@ Most calls in a loop repeat a call seen before with inputs already in the layout
 what the first call already settled. This module keeps, per call signature, what such a call
 needs and nothing more: the output's spec and, for autograd, the gradient specs of the inputs.
 
-The signature is keyed cheaply: ``(func, token, token, ...)``, two tokens per argument: a DTensor
-gives the *identity* of its spec and its dtype, a plain value its type and itself, a keyword its
-name (a str) and then (type, value). An id is an int and the other first tokens are types or
-strs, so tokens of different kinds never compare equal. ``func`` determines the op name, so the
-name is not keyed. Identity is safe because the entry keeps those spec objects alive (no other
-object can take their ids), and it hits because specs are interned: equal specs on the same mesh
-object become one object (a spec is an immutable value, so swapping a DTensor's spec for an
-equal one changes nothing), and every output of a fast call carries the entry's spec.
+The signature is keyed cheaply: ``(name, func, token, token, ...)``, two tokens per argument: a
+DTensor gives the *identity* of its spec and its dtype, a plain value its type and itself, a
+keyword its name (a str) and then (type, value). An id is an int and the other first tokens are
+types or strs, so tokens of different kinds never compare equal. The op name is keyed although
+torch's callables each have one: MindSpore's op objects may come under more than one. Identity
+is safe because the entry keeps those spec objects alive (no other object can take their ids),
+and it hits because specs are interned: equal specs on the same mesh object become one object (a
+spec is an immutable value, so swapping a DTensor's spec for an equal one changes nothing), and
+every output of a fast call carries the entry's spec.
 
 Calls of one or two positional arguments, the first a DTensor (``x + y``, ``x * 2.0``,
 ``relu(x)``, ``x @ w``), build that key without a loop; the rest go through ``_general``.
@@ -92,7 +93,7 @@ def dispatch(name, func, args, kwargs):
     a = args[0]
     la = a._local_tensor
     if n == 1:
-        key = (func, id(a._spec), la.dtype)
+        key = (name, func, id(a._spec), la.dtype)
         entry = _ENTRIES.get(key)
         if entry is None or (_stack.get() and involved([a]) is not None):
             return _miss(name, func, args, kwargs, key, entry)
@@ -105,10 +106,10 @@ def dispatch(name, func, args, kwargs):
         kind = type(b)
         if kind is DTensor:
             lb = b._local_tensor
-            key = (func, id(a._spec), la.dtype, id(b._spec), lb.dtype)
+            key = (name, func, id(a._spec), la.dtype, id(b._spec), lb.dtype)
         elif kind in _SCALARS:
             lb = b
-            key = (func, id(a._spec), la.dtype, kind, b)
+            key = (name, func, id(a._spec), la.dtype, kind, b)
         else:
             return _general(name, func, args, kwargs)
         entry = _ENTRIES.get(key)
@@ -128,7 +129,7 @@ def dispatch(name, func, args, kwargs):
 
 def _general(name, func, args, kwargs):
     """Any other call: one loop builds the key, the local arguments and the autograd question."""
-    key = [func]
+    key = [name, func]
     append = key.append
     local_args = []
     push = local_args.append
