@@ -217,3 +217,53 @@ def fast_autograd_semantics(rank, world_size):
 def test_fast_path_autograd_semantics():
     results = run_dist(2, fast_autograd_semantics)
     assert results[0] == results[1] and len(results[0]) == 4
+
+
+def operator_methods(rank, world_size):
+    """``x + y``, ``x - y``, ``x * s``, ``x / s``, ``x @ w`` ask the fast path before torch parses
+    the arguments (platform/torch/dtensor_base.py ``_operator``); anything but a plain hit takes
+    torch's route, so results, errors and the aten level under DisableTorchFunctionSubclass are
+    what they were."""
+    import torch
+    from hyper_parallel import Replicate, Shard, distribute_tensor, init_device_mesh
+    from hyper_parallel.core.dtensor import decision_cache
+    mesh = init_device_mesh("cpu", (world_size,))
+    g = torch.Generator().manual_seed(2)
+    x, y, w = (torch.randn(4 * world_size, 8, generator=g), torch.randn(4 * world_size, 8, generator=g),
+               torch.randn(8, 8, generator=g))
+    dx, dy = distribute_tensor(x, mesh, [Shard(0)]), distribute_tensor(y, mesh, [Shard(0)])
+    dw = distribute_tensor(w, mesh, [Replicate()])
+    cases = {"x + y": (lambda: dx + dy, x + y), "x - y": (lambda: dx - dy, x - y),
+             "x * 3": (lambda: dx * 3.0, x * 3.0), "x / 4": (lambda: dx / 4.0, x / 4.0),
+             "x @ w": (lambda: dx @ dw, x @ w), "x.__add__(y, alpha=2)": (lambda: dx.__add__(dy, alpha=2.0),
+                                                                          x + 2.0 * y)}
+    decision_cache.clear()
+    for label, (fn, want) in cases.items():
+        first = fn()
+        hits = decision_cache.STATS["fast_hits"]
+        second = fn()
+        if "alpha" not in label:   # a keyword: torch's route (the general path then hits)
+            assert decision_cache.STATS["fast_hits"] == hits + 1, (label, decision_cache.STATS)
+        for got in (first, second):
+            assert type(got).__name__ == "DTensor" and got.placements == first.placements, label
+            torch.testing.assert_close(got.full_tensor(), want, atol=0, rtol=0)
+    # not a plain value: torch's NotImplemented -> TypeError, as for a plain tensor
+    for bad in ("text", [1.0]):
+        try:
+            dx + bad
+        except TypeError:
+            pass
+        else:
+            raise AssertionError(f"DTensor + {bad!r} did not raise TypeError")
+    # torch functions off: the aten level, as before (no fast hit)
+    hits = decision_cache.STATS["fast_hits"]
+    with torch._C.DisableTorchFunctionSubclass():
+        z = dx + dy
+    assert decision_cache.STATS["fast_hits"] == hits, decision_cache.STATS
+    torch.testing.assert_close(z.full_tensor(), x + y, atol=0, rtol=0)
+    return sorted(cases)
+
+
+def test_operator_methods():
+    results = run_dist(2, operator_methods)
+    assert results[0] == results[1] and len(results[0]) == 6

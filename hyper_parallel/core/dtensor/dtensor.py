@@ -24,8 +24,10 @@ class DTensor(get_platform().DTensorBase):
 
     # ------------------------------------------------------------------ dispatch hooks
     @classmethod
-    def _hp_function(cls, name, func, args, kwargs):
-        return _dispatch(name, func, args, kwargs)
+    def _hp_function(cls, name, func, args, kwargs, hit_only=False):
+        """``hit_only``: NotImplemented unless the dispatch fast path answers (the platform's
+        operator methods, which then take the usual route)."""
+        return _dispatch(name, func, args, kwargs, hit_only)
 
     @classmethod
     def _hp_aten(cls, func, args, kwargs):
@@ -140,12 +142,12 @@ class DTensor(get_platform().DTensorBase):
                 f"placements={self._spec.placements}, shape={tuple(self._spec.shape)})")
 
 
-def _dispatch(name, func, args, kwargs):
+def _dispatch(name, func, args, kwargs, hit_only=False):
     """The first call binds the dispatcher (which imports this module) as ``_hp_function`` itself:
     later calls reach it without an import statement or an extra frame per op."""
     from hyper_parallel.core.dtensor.fast_path import dispatch
     DTensor._hp_function = staticmethod(dispatch)
-    return dispatch(name, func, args, kwargs)
+    return dispatch(name, func, args, kwargs, hit_only)
 
 
 # ---------------------------------------------------------------------- differentiable conversions

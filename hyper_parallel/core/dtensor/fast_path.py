@@ -84,19 +84,21 @@ _requires_grad = getattr(DTensor, "_hp_requires_grad", None) or _platform_requir
 _is_leaf = getattr(DTensor, "_hp_is_leaf", None)   # else ensure_leaf_grad_layout asks grad_fn
 
 
-def dispatch(name, func, args, kwargs):
-    """Run a user-level op on DTensors: the fast path on a hit, else ``dispatch_function``.
-    Inline rather than in helpers: every frame and every pass here is paid on every op."""
+def dispatch(name, func, args, kwargs, hit_only=False):
+    """Run a user-level op on DTensors: the fast path on a hit, else ``dispatch_function``; with
+    ``hit_only``, NotImplemented instead of anything but a plain hit (the platform's operator
+    methods then take torch's usual route). Inline rather than in helpers: every frame and every
+    pass here is paid on every op."""
     n = len(args)
     if kwargs or n > 2 or n == 0 or type(args[0]) is not DTensor:
-        return _general(name, func, args, kwargs)
+        return NotImplemented if hit_only else _general(name, func, args, kwargs)
     a = args[0]
     la = a._local_tensor
     if n == 1:
         key = (name, func, id(a._spec), la.dtype)
         entry = _ENTRIES.get(key)
         if entry is None or (_stack.get() and involved([a]) is not None):
-            return _miss(name, func, args, kwargs, key, entry)
+            return NotImplemented if hit_only else _miss(name, func, args, kwargs, key, entry)
         STATS["fast_hits"] += 1
         if a.requires_grad and _tracking():
             return _run_differentiable(entry, name, func, args, None)
@@ -111,10 +113,10 @@ def dispatch(name, func, args, kwargs):
             lb = b
             key = (name, func, id(a._spec), la.dtype, kind, b)
         else:
-            return _general(name, func, args, kwargs)
+            return NotImplemented if hit_only else _general(name, func, args, kwargs)
         entry = _ENTRIES.get(key)
         if entry is None or (_stack.get() and involved(list(args)) is not None):
-            return _miss(name, func, args, kwargs, key, entry)
+            return NotImplemented if hit_only else _miss(name, func, args, kwargs, key, entry)
         STATS["fast_hits"] += 1
         if (a.requires_grad or (kind is DTensor and b.requires_grad)) and _tracking():
             return _run_differentiable(entry, name, func, args, None)

@@ -32,6 +32,37 @@ def _contiguous_strides(shape):
     return tuple(reversed(strides))
 
 
+_TORCH_FUNCTION_ON = torch._C._is_torch_function_enabled
+_TORCH_FUNCTION_MODE = torch._C._is_torch_function_mode_enabled
+_SET_TORCH_FUNCTION = torch._C._set_torch_function_state
+_ENABLED, _SUBCLASSES_OFF = (torch._C._TorchFunctionState.ENABLED,
+                             torch._C._TorchFunctionState.SUBCLASSES_DISABLED)
+
+
+def _operator(dunder, func):
+    """``x + y`` (``dunder``) on a DTensor: torch would parse the arguments and enter
+    ``__torch_function__`` with ``func`` (``Tensor.add``), which costs as much as the rest of a
+    cache hit. This asks core's fast path first, as ``__torch_function__`` would, and takes torch's
+    route whenever that is not a plain hit, or torch functions are off or a mode is active (where
+    torch's own dispatch differs). Reflected forms (``__radd__``) are left alone: defining them
+    would make Python prefer them for ``tensor + dtensor``."""
+    name = OP_NAMES[func]
+
+    def method(self, other, *rest, **kwargs):
+        if _TORCH_FUNCTION_ON() and not rest and not kwargs and not _TORCH_FUNCTION_MODE():
+            # DisableTorchFunctionSubclass as a state switch: the state was ENABLED (checked above)
+            _SET_TORCH_FUNCTION(_SUBCLASSES_OFF)
+            try:
+                result = type(self)._hp_function(name, func, (self, other), None, True)
+            finally:
+                _SET_TORCH_FUNCTION(_ENABLED)
+            if result is not NotImplemented:
+                return result
+        return dunder(self, other, *rest, **kwargs)
+    method.__name__ = dunder.__name__
+    return method
+
+
 class TorchDTensorBase(torch.Tensor):
     """Subclassed by core's ``DTensor`` (core/dtensor/dtensor.py), which provides the hooks this class
     calls (``_hp_function``, ``_hp_aten``, ``_hp_fused``, ``_hp_describe``, ``_hp_checkpoint_box``,
@@ -73,6 +104,13 @@ class TorchDTensorBase(torch.Tensor):
     _hp_requires_grad = torch.Tensor.requires_grad.__get__   # of a plain tensor (a local result)
     _hp_is_leaf = torch.Tensor.is_leaf.__get__   # of a DTensor, read under DisableTorchFunctionSubclass
     _hp_detach = torch.Tensor.detach   # a shard's alias without history, for the fast path's nodes
+
+    # the Python operators whose torch function is the plain method (found by probing torch)
+    __add__ = _operator(torch.Tensor.__add__, torch.Tensor.add)
+    __sub__ = _operator(torch.Tensor.__sub__, torch.Tensor.sub)
+    __mul__ = _operator(torch.Tensor.__mul__, torch.Tensor.mul)
+    __truediv__ = _operator(torch.Tensor.__truediv__, torch.Tensor.div)
+    __matmul__ = _operator(torch.Tensor.__matmul__, torch.Tensor.matmul)
 
     def __reduce_ex__(self, protocol):
         """Pickled as (this rank's piece, mesh description, placements, global shape)."""
