@@ -30,7 +30,7 @@ _PLANS = {}
 _LIMIT = 4096
 
 
-def _single_step(mesh, shape, src, dst, kind):
+def single_step(mesh, shape, src, dst, kind):
     """The one even ``kind`` step that moves a ``shape`` tensor from ``src`` to ``dst``, or None."""
     steps = plan_redistribute(mesh, shape, src, dst)
     if len(steps) != 1 or steps[0].kind != kind:
@@ -52,7 +52,7 @@ def _qkv_plan(mesh, shapes, srcs, dsts, locals_, head):
     """The QKVPlan moving these tensors (global ``shapes``, local blocks ``locals_``) from ``srcs``
     to ``dsts`` by one all-to-all: one even step each, on one mesh dim, sequence -> ``head``, local
     blocks of one dtype that differ only in head count, every head count divisible. Else None."""
-    steps = [_single_step(mesh, shape, src, dst, "all_to_all") for shape, src, dst in zip(shapes, srcs, dsts)]
+    steps = [single_step(mesh, shape, src, dst, "all_to_all") for shape, src, dst in zip(shapes, srcs, dsts)]
     if any(s is None for s in steps) or len({(s.mesh_dim, s.dim, s.new_dim) for s in steps}) != 1:
         return None
     step = steps[0]
@@ -124,7 +124,7 @@ def _gather_kv(dts, targets):
     """k and v DTensors moved to ``targets``: one fused all-gather where possible."""
     pending = [i for i, (dt, p) in enumerate(zip(dts, targets)) if tuple(dt.placements) != tuple(p)]
     if len(pending) == len(dts) == 2:
-        steps = [_single_step(dt.device_mesh, dt.shape, dt.placements, p, "all_gather")
+        steps = [single_step(dt.device_mesh, dt.shape, dt.placements, p, "all_gather")
                  for dt, p in zip(dts, targets)]
         if all(s is not None for s in steps) and len({(s.mesh_dim, s.dim) for s in steps}) == 1:
             moved = _fused_all_gather(dts, targets, steps)

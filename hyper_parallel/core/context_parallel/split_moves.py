@@ -17,22 +17,11 @@ until a chunk reaches the attention. ``start`` launches through the platform's s
 """
 from dataclasses import dataclass
 
+from hyper_parallel.core.context_parallel.fused_collectives import single_step
 from hyper_parallel.core.context_parallel.output import caller_placements, output_seq_dim
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Partial
-from hyper_parallel.core.dtensor.redistribute import plan_redistribute
 from hyper_parallel.platform import get_platform
-
-
-def single_step(mesh, shape, src, dst, kind):
-    """The one even ``kind`` step taking ``src`` to ``dst``, or None."""
-    steps = plan_redistribute(mesh, shape, src, dst)
-    if len(steps) != 1 or steps[0].kind != kind:
-        return None
-    step = steps[0]
-    if len(set(step.sizes)) > 1 or len(set(step.new_sizes)) > 1:
-        return None
-    return step
 
 
 @dataclass(frozen=True)
