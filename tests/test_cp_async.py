@@ -12,38 +12,10 @@ import pytest
 
 from tests.cases import context_parallel as neutral
 from tests.cases import cp_overlap as overlap_cases
+# the single-device reference and block helpers are the GQA/mesh tests' (one copy)
+from tests.test_cp_gqa_and_meshes import LAYOUTS, POINTS, TOL, _block_index, _leaf, _reference, _shape
 from tests.harness import run_dist
 from tests.harness.frameworks import framework_worlds, run_on
-
-B, D = 2, 4
-TOL = {"atol": 1e-5, "rtol": 1e-5}
-LAYOUTS = {"bshd": (1, 2), "bnsd": (2, 1)}   # layout -> (seq_dim, head_dim)
-POINTS = [(layout, kind, causal) for layout in LAYOUTS for kind in ("sdpa", "matmul")
-          for causal in (True, False)]
-
-
-def _shape(layout, S, H):
-    return (B, S, H, D) if layout == "bshd" else (B, H, S, D)
-
-
-def _leaf(t):
-    return t.detach().clone().requires_grad_(True)
-
-
-def _reference(q, k, v, layout, causal):
-    import torch.nn.functional as F
-    if layout == "bshd":
-        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    groups = q.shape[1] // k.shape[1]
-    k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return out.transpose(1, 2) if layout == "bshd" else out
-
-
-def _block_index(mesh):
-    if mesh.ndim == 1:
-        return mesh.get_local_rank(), mesh.size()
-    return mesh.get_local_rank("co") * mesh.size("ds") + mesh.get_local_rank("ds"), mesh.size()
 
 
 def _check(mesh, style, layout, kind, causal, Hq, Hkv, chunks_expected, S=16, seed=0):
