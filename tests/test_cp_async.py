@@ -37,6 +37,8 @@ def _check(mesh, style, layout, kind, causal, Hq, Hkv, chunks_expected, S=16, se
     leaves = [_leaf(t.chunk(parts, seq)[index]) for t in full]
     module = AsyncContextParallel(seq_dim=seq, head_dim=head, **style).apply(
         TorchAdapter.attention(kind, layout), mesh)
+    with torch.no_grad():   # all-gather KV learns where the chunk outputs join from a whole call
+        module(*leaves, causal=causal)
     seen = set()
     with observe_pipeline(lambda stage, chunk, event: seen.add(chunk)):
         out = module(*leaves, causal=causal)
@@ -208,6 +210,61 @@ def _errors_case(rank, world):
 
 def test_constructor_errors():
     assert run_dist(2, _errors_case) == [True, True]
+
+
+# ============================================================================ where chunks join
+FORMS = {   # the module's output from BSHD attention (B, S, H, D), and which dim holds the heads
+    "heads_last": lambda o: o.transpose(2, 3),                                   # (B, S, D, H)
+    "head_major": lambda o: o.reshape(o.shape[0], o.shape[1], -1),               # (B, S, H*D)
+    "dim_major": lambda o: o.transpose(2, 3).reshape(o.shape[0], o.shape[1], -1),  # (B, S, D*H)
+}
+
+
+def _join_case(rank, world, style, form, expected):
+    """An output whose head dim its shape cannot tell (D = the chunk's 4 heads): the chunks join on
+    the heads (placements in Ulysses, the whole call's shape in all-gather KV) or the call runs
+    whole; every call equals one device. Returns the chunks pipelined in the third call."""
+    import torch
+    import torch.nn.functional as F
+    from hyper_parallel import AsyncContextParallel
+    from hyper_parallel.core.context_parallel.overlap import observe_pipeline
+    reshape = FORMS[form]
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+            return reshape(out.transpose(1, 2))
+
+    gen = torch.Generator().manual_seed(5)
+    full = [torch.randn(_shape("bshd", 8, 8), generator=gen) for _ in range(3)]
+    ref_leaves = [_leaf(t) for t in full]
+    ref = reshape(_reference(*ref_leaves, "bshd", True))
+    w = torch.randn(ref.shape, generator=gen)
+    (ref * w).sum().backward()
+    me = rank
+    module = AsyncContextParallel(seq_dim=1, head_dim=2, **style).apply(Attention(), _cp_mesh(world))
+    for call in range(3):
+        leaves = [_leaf(t.chunk(world, 1)[me]) for t in full]
+        seen = set()
+        with observe_pipeline(lambda stage, chunk, event: seen.add(chunk)):
+            out = module(*leaves)
+            (out * w.chunk(world, 1)[me]).sum().backward()
+        torch.testing.assert_close(out, ref.chunk(world, 1)[me], **TOL, msg=lambda m: f"{form} {call}: {m}")
+        for name, leaf, ref_leaf in zip("qkv", leaves, ref_leaves):
+            torch.testing.assert_close(leaf.grad, ref_leaf.grad.chunk(world, 1)[me], **TOL,
+                                       msg=lambda m, n=name: f"d{n} {form} call {call}: {m}")
+    assert len(seen) == expected, f"{style} {form}: {len(seen)} chunks pipelined, expected {expected}"
+    return len(seen)
+
+
+@pytest.mark.parametrize("style,form,expected", [
+    (UL, "heads_last", 2), (UL, "head_major", 2), (UL, "dim_major", 0),
+    (AG, "heads_last", 2), (AG, "head_major", 0), (AG, "dim_major", 0),
+])
+def test_chunks_join_on_the_heads_or_run_whole(style, form, expected):
+    """Never joined on a dim that is not the heads': a (B, S, D, H) output with D equal to a chunk's
+    heads joins on H; a flattened output joins only where Ulysses' placements vouch for the order."""
+    assert run_dist(2, _join_case, style, form, expected) == [expected] * 2
 
 
 # ============================================================================ both platforms

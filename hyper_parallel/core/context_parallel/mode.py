@@ -13,7 +13,7 @@ from hyper_parallel.core.context_parallel.load_balance import merge_head_tail, s
 from hyper_parallel.core.context_parallel.mask_mode import with_masks
 from hyper_parallel.core.context_parallel.masks import active_masks, check_masks
 from hyper_parallel.core.context_parallel.output import first_output, to_caller
-from hyper_parallel.core.context_parallel.overlap import pipelinable, run_overlapped
+from hyper_parallel.core.context_parallel.overlap import pipelinable, recording, run_overlapped
 from hyper_parallel.core.context_parallel.ring_mode import run_ring
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
@@ -239,6 +239,7 @@ def run_attention(style, cp_mesh, qkv, call):
         done = run_overlapped(style, inputs, ulysses_dims, gather_dims, call)
         if done is not None:
             return _deliver(style, inputs, *done)
+        call = recording(style, inputs, ulysses_dims, gather_dims, call)
     # one fused all-to-all for q, k, v and one all-gather for k, v where the layout allows
     q, k, v = mode_dtensors(inputs.mesh, inputs.locals, inputs.placements, inputs.shapes, inputs.seq,
                             inputs.head, ulysses_dims, gather_dims)

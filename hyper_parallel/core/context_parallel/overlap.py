@@ -28,8 +28,9 @@ import contextlib
 from dataclasses import replace
 
 from hyper_parallel.core.context_parallel.layouts import mode_placements
-from hyper_parallel.core.context_parallel.output import first_output, output_seq_dim
+from hyper_parallel.core.context_parallel.output import output_seq_dim
 from hyper_parallel.core.context_parallel.split_moves import AllGather, AllToAll, Block, start_output
+from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.platform import get_platform
 
 _observers = []
@@ -82,13 +83,43 @@ def _chunks(inputs, n):
             for c in range(n)]
 
 
-_PLANS = {}   # per call signature: the stages (they hold no tensors)
+_PLANS = {}    # per chunk signature: the stages (they hold no tensors)
+_WHOLE = {}    # per (style, call signature): the global shape of the whole call's output (learnt from
+#                a call run whole), or None where the chunk outputs could not be joined: run whole
 
 
-def _stages(blocks, inputs, ulysses_dims, gather_dims):
+def _signature(blocks, inputs, ulysses_dims, gather_dims):
+    return (inputs.mesh, inputs.seq, inputs.head, tuple(ulysses_dims), tuple(gather_dims),
+            tuple((b.placements, b.shape, tuple(b.local.shape), b.local.dtype) for b in blocks))
+
+
+def _remember(key, shape):
+    if len(_WHOLE) > 256:
+        _WHOLE.clear()
+    _WHOLE[key] = shape
+
+
+def recording(style, inputs, ulysses_dims, gather_dims, call):
+    """``call`` for a pipelinable call run whole: the first time for its signature, it also records
+    the global shape of the whole output, from which later calls learn where the chunks join."""
+    key = (id(style), _signature(_whole_blocks(inputs), inputs, ulysses_dims, gather_dims))
+    if key in _WHOLE:
+        return call
+
+    def record(*args):
+        out = call(*args)
+        value = out[0] if isinstance(out, (tuple, list)) else out
+        _remember(key, tuple(value.shape) if isinstance(value, DTensor) else None)
+        return out
+    return record
+
+
+def _whole_blocks(inputs):
+    return [Block(t, tuple(p), tuple(s)) for t, p, s in zip(inputs.locals, inputs.placements, inputs.shapes)]
+
+
+def _stages(key, blocks, inputs, ulysses_dims, gather_dims):
     """The split moves taking a chunk to the mode's layout, or None where one cannot be split."""
-    key = (inputs.mesh, inputs.seq, inputs.head, tuple(ulysses_dims), tuple(gather_dims),
-           tuple((b.placements, b.shape, tuple(b.local.shape), b.local.dtype) for b in blocks))
     if key not in _PLANS:
         if len(_PLANS) > 256:
             _PLANS.clear()
@@ -124,6 +155,12 @@ class _Chunk:
         if self.stages:
             self.finish = self.stages.pop(0).start(self.blocks, _observer("in", self.index))
 
+    def drain(self):
+        """Finish the collective in flight, if any, and start no other (the chunk is abandoned)."""
+        if self.finish is not None:
+            self.finish()
+            self.finish = None
+
     def complete(self, mesh):
         """q, k, v of this chunk as DTensors in the mode's layout."""
         while self.finish is not None or self.stages:
@@ -131,38 +168,73 @@ class _Chunk:
         return [b.dtensor(mesh) for b in self.blocks]
 
 
-def _output_head_dim(out, seq, inputs, ulysses_dims):
-    """The dim of a chunk's output that holds its heads (outputs concatenate there): the dim the
-    Ulysses mesh dims split, else the one dim of the chunk's head count (or heads × head dim,
-    flattened head-major) besides the sequence and, in 4-D layouts, the batch."""
+def _join_dim(out, seq, ulysses_dims, heads, whole):  # heads: (the chunk's, the call's)
+    """The dim of a chunk's output that holds its heads (outputs concatenate there): the
+    dim the Ulysses mesh dims split (the sharding rules keep a head split only where the heads are
+    the outer factor of that dim), else the one dim holding exactly the chunk's heads where the
+    whole call's output (global shape ``whole``) holds all of them, every other dim equal; None
+    where neither says (a flattened heads × dim output in all-gather KV: its order is unknown)."""
     if ulysses_dims:
         split = out.placements[ulysses_dims[-1]]
         if split.is_shard() and split.dim != seq:
             return split.dim
-    heads, dim_v = inputs.shapes[0][inputs.head], inputs.shapes[2][-1]
-    skip = {seq} | ({0} if 0 not in (inputs.seq, inputs.head) else set())
-    candidates = [d for d in range(out.ndim) if d not in skip and out.shape[d] in (heads, heads * dim_v)]
-    if len(candidates) == 1:
-        return candidates[0]
-    if inputs.head in candidates and out.ndim == len(inputs.shapes[0]):
-        return inputs.head
-    raise ValueError(f"ContextParallel(overlap=True): cannot tell which dim of the attention output (global "
-                     f"shape {tuple(out.shape)} for {heads} heads of one chunk) holds the heads to join the "
-                     f"head chunks on (candidates {candidates}); return the output in q's layout or as "
-                     f"(batch, seq, heads*dim), or use overlap=False")
+    if whole is None or len(whole) != out.ndim:
+        return None
+    differ = [d for d in range(out.ndim) if whole[d] != out.shape[d]]
+    if len(differ) != 1 or (out.shape[differ[0]], whole[differ[0]]) != heads:
+        return None
+    return differ[0]
+
+
+def _attend(c, qkv, chunk_inputs, ulysses_dims, call, head, join):
+    """Chunk ``c``'s attention and the start of its output move: (join dim, finish, seq dim,
+    placements, layout), or None where the output cannot be joined on a head dim this way (the
+    whole call then decides, or raises as without overlap)."""
+    try:
+        out = call(*qkv)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        if not isinstance(out, DTensor):
+            return None
+        if head is None:   # chunk 0: where the chunks join, decided before the output moves
+            head = join(out, output_seq_dim(out, chunk_inputs, ulysses_dims))
+            if head is None:
+                return None
+        finish, seq, placements = start_output(out, chunk_inputs, ulysses_dims, _observer("out", c))
+    except ValueError:
+        return None
+    return head, finish, seq, placements, (tuple(out.shape), tuple(out.placements), seq)
+
+
+def _give_up(key, pipes, outs):
+    """Run this call whole: wait for every collective in flight first, so no rank leaves one behind,
+    and the whole call decides (or raises) as without overlap. With the whole output's shape known
+    the signature runs whole from now on; else the whole call records it and the next call retries."""
+    for pipe in pipes:
+        pipe.drain()
+    for finish in outs:
+        finish()
+    if key in _WHOLE:
+        _remember(key, None)
+    return None
 
 
 def run_overlapped(style, inputs, ulysses_dims, gather_dims, call):
     """(this rank's output block, its seq dim, its placements), like output.to_caller, computed by
-    the head-chunk pipeline; None where the call cannot be chunked (the caller then runs it whole)."""
+    the head-chunk pipeline; None where the call is not pipelined (the caller then runs it whole,
+    through ``recording``)."""
     ds = 1
     for m in ulysses_dims:
         ds *= inputs.mesh.size(m)
     n = chunk_count(style, inputs, ds)
     if n == 1:
         return None
+    key = (id(style), _signature(_whole_blocks(inputs), inputs, ulysses_dims, gather_dims))
+    whole = _WHOLE.get(key, ())
+    if whole is None or (whole == () and not ulysses_dims):   # all-gather KV: learn the join dim first
+        return None
     chunks = _chunks(inputs, n)
-    stages = _stages(chunks[0], inputs, ulysses_dims, gather_dims)
+    stages = _stages(_signature(chunks[0], inputs, ulysses_dims, gather_dims), chunks[0], inputs,
+                     ulysses_dims, gather_dims)
     if stages is None:
         return None
     pipes = [_Chunk(c, blocks, stages) for c, blocks in enumerate(chunks)]
@@ -170,19 +242,19 @@ def run_overlapped(style, inputs, ulysses_dims, gather_dims, call):
     for pipe in pipes[:depth]:
         pipe.advance()
     chunk_inputs = replace(inputs, shapes=[b.shape for b in chunks[0]])
-    outs, layouts = [], set()
+    heads = (chunk_inputs.shapes[0][inputs.head], inputs.shapes[0][inputs.head])
+    join = lambda out, seq: _join_dim(out, seq, ulysses_dims, heads, whole or None)  # noqa: E731
+    outs, layouts, head = [], set(), None
     for c, pipe in enumerate(pipes):
-        q, k, v = pipe.complete(inputs.mesh)
+        qkv = pipe.complete(inputs.mesh)
         for later in pipes[c + 1:c + 1 + depth]:
             later.advance()
-        out = first_output(call(q, k, v))
-        if c == 0:   # where the chunks join, decided before the output moves
-            head = _output_head_dim(out, output_seq_dim(out, chunk_inputs, ulysses_dims), chunk_inputs,
-                                    ulysses_dims)
-        finish, seq, placements = start_output(out, chunk_inputs, ulysses_dims, _observer("out", c))
-        layouts.add((tuple(out.shape), tuple(out.placements), seq))
+        done = _attend(c, qkv, chunk_inputs, ulysses_dims, call, head, join)
+        if done is None:
+            return _give_up(key, pipes, outs)
+        head, finish, seq, placements, layout = done
+        layouts.add(layout)
         outs.append(finish)
-    if len(layouts) != 1:
-        raise ValueError(f"ContextParallel(overlap=True): the head chunks' outputs came back in different "
-                         f"layouts {sorted(map(str, layouts))}; use overlap=False")
+    if len(layouts) != 1:   # a module whose output layout depends on the heads it is given
+        return _give_up(key, pipes, outs)
     return get_platform().cat([finish() for finish in outs], head), seq, placements
