@@ -38,6 +38,7 @@ _EXPORTS = {
     "ContextParallel": "hyper_parallel.core.context_parallel",
     "AsyncContextParallel": "hyper_parallel.core.context_parallel",
     "attention_masks": "hyper_parallel.core.context_parallel",
+    "start_attention": "hyper_parallel.core.context_parallel",
     "data_parallel": "hyper_parallel.core.data_parallel",
     "shard_sequence": "hyper_parallel.core.shard_sequence",
 }

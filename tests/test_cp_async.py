@@ -267,6 +267,30 @@ def test_chunks_join_on_the_heads_or_run_whole(style, form, expected):
     assert run_dist(2, _join_case, style, form, expected) == [expected] * 2
 
 
+# ============================================================================ start_attention
+@pytest.mark.parametrize("framework,world", framework_worlds(2))
+def test_start_attention_equals_one_device(framework, world):
+    """The split call (start, then finish) in Ulysses, all-gather KV (both split) and load balance
+    (runs whole at start): output and dq, dk, dv of one device."""
+    plan = [({}, [("bshd", "sdpa", True), ("bnsd", "matmul", False)]),
+            ({"ulysses_degree": 1}, [("bshd", "matmul", True), ("bnsd", "sdpa", False)]),
+            ({"ulysses_degree": 1, "load_balance": True}, [("bshd", "sdpa", True)])]
+    for checks in run_on(framework, world, overlap_cases.split_grid, plan, timeout=600):
+        assert len(checks) == 5, checks
+
+
+def _not_applied_case(rank, world):
+    from hyper_parallel import start_attention
+    from tests.frameworks.torch_adapter import TorchAdapter
+    with pytest.raises(ValueError, match="no ContextParallel applied"):
+        start_attention(TorchAdapter.attention("sdpa"))
+    return True
+
+
+def test_start_attention_needs_context_parallel():
+    assert run_dist(2, _not_applied_case) == [True, True]
+
+
 # ============================================================================ both platforms
 @pytest.mark.parametrize("framework,world", [p for p in framework_worlds(2) if p.values[0] == "mindspore"])
 def test_overlap_neutral_mindspore(framework, world):

@@ -31,8 +31,9 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from hyper_parallel.core.context_parallel import ContextParallel
+from hyper_parallel.core.context_parallel import ContextParallel, start_attention
 from hyper_parallel.core.context_parallel.masks import attention_masks
+from hyper_parallel.integrations.hf_overlap import pipeline_attention_blocks
 from hyper_parallel.platform import get_platform
 
 _names = itertools.count()
@@ -62,6 +63,20 @@ class CPAttention:
 
     # ------------------------------------------------------------------ the attention function
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        args = self._core_args(module, query, key, value, attention_mask, scaling, dropout, kwargs)
+        if self.masks is None:
+            return self.core(*args), None
+        # entered per call (not across the whole forward): a forward that raises leaves no context behind
+        with attention_masks(**self.masks):
+            return self.core(*args), None
+
+    def start(self, module, query, key, value, scaling=None, dropout=0.0):
+        """The same call as a pending one (``start_attention``: its collective travels until
+        ``finish()``); only where no mask is active (hf_overlap.py checks)."""
+        args = self._core_args(module, query, key, value, None, scaling, dropout, {})
+        return start_attention(self.core, *args)
+
+    def _core_args(self, module, query, key, value, attention_mask, scaling, dropout, kwargs):
         if attention_mask is not None:
             raise ValueError("parallelize_model: the attention received a prepared mask tensor; under "
                              "context parallelism pass the 2-D padding attention_mask (this rank's block) "
@@ -69,15 +84,11 @@ class CPAttention:
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
         gqa = query.shape[1] != key.shape[1]
-        if self.masks is None:
-            return self.core(query, key, value, scaling, dropout, causal, gqa), None
-        if dropout:
+        if self.masks is not None and dropout:
             raise ValueError(f"parallelize_model: attention dropout {dropout} with a padding mask or packed "
                              f"position_ids under context parallelism is not supported (the masked kernels "
                              f"take none); set the config's attention_dropout=0 or call model.eval()")
-        # entered per call (not across the whole forward): a forward that raises leaves no context behind
-        with attention_masks(**self.masks):
-            return self.core(query, key, value, scaling, dropout, causal, gqa), None
+        return query, key, value, scaling, dropout, causal, gqa
 
     # ------------------------------------------------------------------ once per forward
     def pre_forward(self, module, args, kwargs):
@@ -168,4 +179,6 @@ def apply_context_parallel(model, cp_mesh, cp_kwargs):
     base.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
     base.register_forward_hook(state.post_forward, with_kwargs=True)
     model._hp_cp_attention = state
+    if cp_kwargs.get("overlap"):   # q/k/v projections overlap the collectives too (hf_overlap.py)
+        pipeline_attention_blocks(model, state, cp_kwargs, cp_mesh.size())
     return model

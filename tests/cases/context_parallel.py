@@ -30,11 +30,11 @@ def _cp_mesh(world_size):
 
 
 def check(rank, world_size, mesh, style_kwargs, layout="bshd", kind="sdpa", causal=True, H=8, S=16,
-          mask=None, Hkv=None):
+          mask=None, Hkv=None, split=False):
     """One ContextParallel call on this rank's block vs the reference: output and dq, dk, dv.
     ``mask``: an optional global (S, S) bool array (True = may attend); ``Hkv``: fewer k/v heads
-    (GQA)."""
-    from hyper_parallel import ContextParallel
+    (GQA); ``split``: the call made as ``start_attention(...).finish()``."""
+    from hyper_parallel import ContextParallel, start_attention
     fw = current()
     seq, head = LAYOUTS[layout]
     tag = f"{layout}{kind}{causal}{H}{S}{mask is None}{Hkv}"
@@ -55,8 +55,10 @@ def check(rank, world_size, mesh, style_kwargs, layout="bshd", kind="sdpa", caus
     w_block = t(_block(w, seq, me, n))
 
     def dist(a, b, c):
+        if split:
+            return start_attention(cell, a, b, c, mask=mask_t, causal=causal).finish()
         return cell(a, b, c, mask=mask_t, causal=causal)
-    what = f"{style_kwargs} {layout} {kind} causal={causal} H={H} Hkv={Hkv} S={S} mask={mask is not None}"
+    what = f"{'split ' if split else ''}{style_kwargs} {layout} {kind} causal={causal} H={H} Hkv={Hkv} S={S} mask={mask is not None}"
     out = dist(*blocks)
     assert fw.is_plain_tensor(out), f"{what}: a local input gave {type(out)}"
     close(out, _block(fw.numpy(ref_out), seq, me, n), "forward " + what)

@@ -11,3 +11,12 @@ def overlapped_grid(rank, world_size, plan, S=16, H=8):
     with observe_pipeline(lambda stage, chunk, event: seen.add((stage, chunk, event))):
         done = cp_grid(rank, world_size, plan, S, H)
     return done, sorted(seen)
+
+
+def split_grid(rank, world_size, plan, H=8):
+    """Each (style kwargs, points) of ``plan`` called as ``start_attention(...).finish()`` on the
+    neutral CP check (vs one device, forward and dq/dk/dv); returns the checks done."""
+    from tests.cases.context_parallel import _cp_mesh, check
+    mesh = _cp_mesh(world_size)
+    return [check(rank, world_size, mesh, style, *point, H=H, split=True) for style, points in plan
+            for point in points]

@@ -224,29 +224,39 @@ def _mode_dims(style, cp_mesh, inputs):
     return (list(inputs.cp_dims), []) if ds > 1 else ([], list(inputs.cp_dims))
 
 
-def run_attention(style, cp_mesh, qkv, call):
+def prepare(style, cp_mesh, qkv):
+    """Every check, then (inputs on the working mesh, ulysses dims, gather dims, active masks)."""
     inputs = _prepare(style, cp_mesh, qkv)
     ulysses_dims, gather_dims = _mode_dims(style, cp_mesh, inputs)
     inputs = _validate(style, inputs, ulysses_dims)
     masks = active_masks()
     if masks is not None:   # packed documents / padding: masks.py, applied at the attention op
         check_masks(masks, inputs.shapes[0][0], inputs.shapes[0][inputs.seq], inputs.shapes[1][inputs.seq])
-        if not (style.kv_exchange == "ring" and gather_dims):
-            call = with_masks(masks, call)
+    return inputs, ulysses_dims, gather_dims, masks
+
+
+def run_attention(style, cp_mesh, qkv, call):
+    return run_prepared(style, *prepare(style, cp_mesh, qkv), call)
+
+
+def run_prepared(style, inputs, ulysses_dims, gather_dims, masks, call):
+    """The call in its mode, from ``prepare``'s checked inputs: the caller's output."""
+    if masks is not None and not (style.kv_exchange == "ring" and gather_dims):
+        call = with_masks(masks, call)
     if style.kv_exchange == "ring" and gather_dims:
-        return _deliver(style, inputs, *run_ring(style, inputs, ulysses_dims, gather_dims[0], call))
+        return deliver(style, inputs, *run_ring(style, inputs, ulysses_dims, gather_dims[0], call))
     if pipelinable(style, inputs, masks):   # overlap=True: head chunks pipelined (overlap.py)
         done = run_overlapped(style, inputs, ulysses_dims, gather_dims, call)
         if done is not None:
-            return _deliver(style, inputs, *done)
+            return deliver(style, inputs, *done)
         call = recording(style, inputs, ulysses_dims, gather_dims, call)
     # one fused all-to-all for q, k, v and one all-gather for k, v where the layout allows
     q, k, v = mode_dtensors(inputs.mesh, inputs.locals, inputs.placements, inputs.shapes, inputs.seq,
                             inputs.head, ulysses_dims, gather_dims)
     if style.load_balance:
-        return _deliver(style, inputs, *_load_balanced(inputs, k, v, call))
+        return deliver(style, inputs, *_load_balanced(inputs, k, v, call))
     out = first_output(call(q, k, v))
-    return _deliver(style, inputs, *to_caller(out, inputs, ulysses_dims))
+    return deliver(style, inputs, *to_caller(out, inputs, ulysses_dims))
 
 
 def _load_balanced(inputs, k, v, call):
@@ -274,7 +284,8 @@ def _load_balanced(inputs, k, v, call):
     return merge_head_tail(outs[0], outs[1], seq, mesh, cp_dim), seq, p
 
 
-def _deliver(style, inputs, out_local, seq, placements):
+def deliver(style, inputs, out_local, seq, placements):
+    """This rank's output block as the caller gets it (local, or a DTensor on its mesh)."""
     if style.use_local_output or inputs.policy == "local":
         return out_local
     if inputs.policy == "cp":

@@ -47,7 +47,8 @@ def observe_pipeline(fn):
         _observers.remove(fn)
 
 
-def _observer(stage, chunk):
+def pipeline_observer(stage, chunk):
+    """``fn(event)`` telling every ``observe_pipeline`` listener about (stage, chunk), or None."""
     if not _observers:
         return None
     listeners = list(_observers)
@@ -153,7 +154,7 @@ class _Chunk:
         if self.finish is not None:
             self.blocks, self.finish = self.finish(), None
         if self.stages:
-            self.finish = self.stages.pop(0).start(self.blocks, _observer("in", self.index))
+            self.finish = self.stages.pop(0).start(self.blocks, pipeline_observer("in", self.index))
 
     def drain(self):
         """Finish the collective in flight, if any, and start no other (the chunk is abandoned)."""
@@ -166,6 +167,19 @@ class _Chunk:
         while self.finish is not None or self.stages:
             self.advance()
         return [b.dtensor(mesh) for b in self.blocks]
+
+
+def start_whole(inputs, ulysses_dims, gather_dims):
+    """The whole call's q/k/v moves (one chunk of every head) with its first collective started, or
+    None where they do not split into start and finish (split_call.py)."""
+    blocks = _whole_blocks(inputs)
+    stages = _stages(_signature(blocks, inputs, ulysses_dims, gather_dims), blocks, inputs, ulysses_dims,
+                     gather_dims)
+    if stages is None:
+        return None
+    pipe = _Chunk(0, blocks, stages)
+    pipe.advance()
+    return pipe
 
 
 def _join_dim(out, seq, ulysses_dims, heads, whole):  # heads: (the chunk's, the call's)
@@ -199,7 +213,7 @@ def _attend(c, qkv, chunk_inputs, ulysses_dims, call, head, join):
             head = join(out, output_seq_dim(out, chunk_inputs, ulysses_dims))
             if head is None:
                 return None
-        finish, seq, placements = start_output(out, chunk_inputs, ulysses_dims, _observer("out", c))
+        finish, seq, placements = start_output(out, chunk_inputs, ulysses_dims, pipeline_observer("out", c))
     except ValueError:
         return None
     return head, finish, seq, placements, (tuple(out.shape), tuple(out.placements), seq)

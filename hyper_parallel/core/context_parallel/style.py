@@ -7,14 +7,29 @@ The module's forward sees DTensors, so plain matmul/softmax attention code is di
 same sharding rules as ``F.scaled_dot_product_attention``.
 """
 import contextvars
+import weakref
 
 from hyper_parallel.core.context_parallel.kernels import call_module
 from hyper_parallel.core.context_parallel.mode import run_attention
+from hyper_parallel.core.context_parallel.split_call import start_call
 from hyper_parallel.core.tensor_parallel.style import ParallelStyle
 from hyper_parallel.platform import get_platform
 
 KV_EXCHANGES = ("allgather", "ring")
 _active = contextvars.ContextVar("hp_context_parallel_active", default=frozenset())
+_starters = weakref.WeakKeyDictionary()   # module -> its split-phase call (start_attention)
+
+
+def start_attention(module, *args, **kwargs):
+    """Start ``module(*args, **kwargs)`` on a module ContextParallel was applied to, returning a
+    pending call whose ``finish()`` gives the output ``module(...)`` would: q/k/v's collective
+    travels in between, so the caller can compute meanwhile (e.g. the next head group's
+    projections; contract and limits: split_call.py, docs/context_parallel.md)."""
+    starter = _starters.get(module)
+    if starter is None:
+        raise ValueError(f"start_attention: {type(module).__name__} has no ContextParallel applied; "
+                         f"apply ContextParallel / AsyncContextParallel to it first")
+    return starter(*args, **kwargs)
 
 
 class ContextParallel(ParallelStyle):
@@ -80,15 +95,24 @@ class ContextParallel(ParallelStyle):
     def _make_forward(self, module, original, mesh):
         key = id(module)
 
-        def forward(*args, **kwargs):
+        def guarded(run):
             active = _active.get()
-            if key in active:  # a recursive call: inputs are already distributed
-                return original(*args, **kwargs)
             token = _active.set(active | {key})
             try:
-                return self._forward(original, mesh, args, kwargs)
+                return run()
             finally:
                 _active.reset(token)
+
+        def forward(*args, **kwargs):
+            if key in _active.get():  # a recursive call: inputs are already distributed
+                return original(*args, **kwargs)
+            return guarded(lambda: run_attention(self, mesh, *self._bind(original, args, kwargs)))
+
+        def start(*args, **kwargs):
+            qkv, call = self._bind(original, args, kwargs)
+            pending = guarded(lambda: start_call(self, mesh, qkv, lambda *t: guarded(lambda: call(*t))))
+            return pending
+        _starters[module] = start
         return forward
 
     def _locate_qkv(self, args, kwargs):
@@ -105,11 +129,10 @@ class ContextParallel(ParallelStyle):
                                  f"qkv_indices / qkv_kwarg_names to where the module takes q, k, v")
         return slots
 
-    def _forward(self, original, cp_mesh, args, kwargs):
+    def _bind(self, original, args, kwargs):
+        """(q, k, v of this call, call(q, k, v) running the module's own forward with them in place)."""
         slots = self._locate_qkv(args, kwargs)
-        args = list(args)
         get = lambda s: args[s[1]] if s[0] == "arg" else kwargs[s[1]]  # noqa: E731
-        qkv = [get(s) for s in slots]
 
         def call(q, k, v):
             new_args, new_kwargs = list(args), dict(kwargs)
@@ -119,7 +142,7 @@ class ContextParallel(ParallelStyle):
                 else:
                     new_kwargs[slot[1]] = value
             return call_module(original, new_args, new_kwargs)   # flex_attention -> clear error
-        return run_attention(self, cp_mesh, qkv, call)
+        return [get(s) for s in slots], call
 
 
 class AsyncContextParallel(ContextParallel):
