@@ -20,7 +20,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.ring_memory", description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--local", type=int, default=2048, help="tokens per rank")
-    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="key/value heads (GQA / MQA; default: --heads); must divide --heads")
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--docs", type=int, default=0, help="also measure the masked ring with N documents")
     p.add_argument("--zigzag", action="store_true")
@@ -30,8 +32,8 @@ def parse_args(argv=None):
 
 def _inputs(torch, args, seed):
     gen = torch.Generator().manual_seed(seed)
-    shape = (1, args.heads, args.local, args.head_dim)
-    return [torch.randn(shape, generator=gen) for _ in range(4)]
+    heads = (args.heads, args.kv_heads or args.heads, args.kv_heads or args.heads, args.heads)
+    return [torch.randn((1, h, args.local, args.head_dim), generator=gen) for h in heads]
 
 
 def _fwd_bwd(torch, fn, tensors):
@@ -54,6 +56,9 @@ def run_rank(args):
     from hyper_parallel.core.context_parallel.ring import RingLayout, ring_attention
     from hyper_parallel.platform import get_platform
 
+    def _single(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
     platform = get_platform()
     platform.init_process_group()
     rank, world = platform.get_rank(), platform.get_world_size()
@@ -61,8 +66,7 @@ def run_rank(args):
     mib = 1 / 2 ** 20
     rows = {}
     if rank == 0:
-        rows["single"] = _peak(torch, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                               tensors, args.repeat)
+        rows["single"] = _peak(torch, _single, tensors, args.repeat)
     platform.barrier()
     layout = RingLayout(tuple(range(world)), rank, args.zigzag)
     rows["ring"] = _peak(torch, lambda q, k, v: ring_attention(q, k, v, layout, True), tensors, args.repeat)
@@ -79,8 +83,9 @@ def run_rank(args):
             rows[name] = float(peak[0])
     if rank == 0:
         single = rows["single"]
-        line = [f"P={world} L={args.local} H={args.heads} D={args.head_dim} zigzag={args.zigzag}: "
-                f"single {single * mib:.1f} MiB"]
+        kv_heads = args.kv_heads or args.heads
+        line = [f"P={world} L={args.local} H={args.heads} Hkv={kv_heads} D={args.head_dim} "
+                f"zigzag={args.zigzag}: single {single * mib:.1f} MiB"]
         for name in ("ring", "masked"):
             if name in rows:
                 line.append(f"{name} {rows[name] * mib:.1f} MiB ({rows[name] / single:.2f}x)")
@@ -91,6 +96,8 @@ def run_rank(args):
 def main(argv=None):
     from benchmarks import cp_launch
     args = parse_args(argv)
+    if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
+        raise ValueError(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", rss_peak.MMAP_THRESHOLD)
     return cp_launch.run_or_spawn(run_rank, args)
 

@@ -3,12 +3,14 @@
 * ``masked_ring_attention`` directly (packed documents + padding, causal or not, contiguous and
   zigzag chunks, K/V heads that split into the ring's head groups and heads that do not, GQA) equals
   single-device SDPA with the equivalent dense mask, output and dq, dk, dv within 1e-5 (fp32);
+  ``ring_attention`` likewise with one K/V head (MQA) and odd K/V head counts;
 * both kernels send the same bytes, the dK/dV hops in the input dtype (bf16 backward = 2x forward);
 * both kernels overlap their hops: in forward every K/V hop has a kernel call between its start and
   its wait, in backward every hop but the last dK/dV hop home of each head group (events recorded by
   wrapping the platform's p2p exchange and block kernels: an order, not a time);
 * peak live bytes of a fwd+bwd (the platform's storage tracker) stay within 2.5x single-device
-  attention at the same local length, at P = 2 and 4, for both kernels.
+  attention at the same local length, at P = 2 and 4, for both kernels, also with one K/V head and
+  with 3 or 5 K/V heads.
 """
 from tests.harness import run_dist
 
@@ -88,6 +90,42 @@ def _masked_case(rank, world):
 def test_masked_ring_matches_single_device():
     done = run_dist(4, _masked_case, timeout=600)
     assert [len(d) for d in done] == [12] * 4
+
+
+def _unmasked_heads_case(rank, world):
+    """ring_attention (the unmasked kernel) with one K/V head (MQA: query-head chunks sharing the
+    K/V block) and odd K/V head counts (unequal head groups) against single-device SDPA."""
+    import torch
+    import torch.nn.functional as F
+    from hyper_parallel.core.context_parallel.ring import RingLayout, ring_attention
+
+    S = 8 * world
+    done = []
+    for hq, hkv in ((4, 1), (5, 1), (6, 3), (5, 5)):
+        for zigzag in (False, True):
+            for causal in (True, False):
+                gen = torch.Generator().manual_seed(len(done))
+                full = [torch.randn(B, h, S, D, generator=gen) for h in (hq, hkv, hkv)]
+                w = torch.randn(B, hq, S, D, generator=gen)
+                refs = [_leaf(t) for t in full]
+                ref = F.scaled_dot_product_attention(*refs, is_causal=causal, enable_gqa=hkv != hq)
+                (ref * w).sum().backward()
+                mine = [_leaf(_pick(t, rank, world, zigzag)) for t in full]
+                out = ring_attention(*mine, RingLayout(tuple(range(world)), rank, zigzag), causal)
+                where = f"hq={hq} kv_heads={hkv} zigzag={zigzag} causal={causal} P={world}"
+                torch.testing.assert_close(out, _pick(ref.detach(), rank, world, zigzag), **TOL,
+                                           msg=lambda m: f"out {where}: {m}")
+                (out * _pick(w, rank, world, zigzag)).sum().backward()
+                for name, leaf, r in zip("qkv", mine, refs):
+                    torch.testing.assert_close(leaf.grad, _pick(r.grad, rank, world, zigzag), **TOL,
+                                               msg=lambda m, n=name: f"d{n} {where}: {m}")
+                done.append(where)
+    return done
+
+
+def test_unmasked_ring_with_one_or_an_odd_number_of_kv_heads_matches_single_device():
+    done = run_dist(4, _unmasked_heads_case, timeout=600)
+    assert [len(d) for d in done] == [16] * 4
 
 
 def _bytes_case(rank, world):
@@ -218,9 +256,9 @@ def _live_bytes(inputs):
     return mode
 
 
-def _memory_case(rank, world):
-    """{(P, kernel): peak live bytes of a ring fwd+bwd / single-device SDPA's} at a local length of
-    64 tokens, for rings of 2 and world ranks (ranks outside a ring of 2 ring alone)."""
+def _memory_case(rank, world, heads=((8, 8),)):
+    """{(P, kernel, Hq, Hkv): peak live bytes of a ring fwd+bwd / single-device SDPA's} at a local
+    length of 64 tokens, for rings of 2 and world ranks (ranks outside a ring of 2 ring alone)."""
     import torch
     import torch.nn.functional as F
     from hyper_parallel import attention_masks
@@ -228,25 +266,28 @@ def _memory_case(rank, world):
     from hyper_parallel.core.context_parallel.ring import RingLayout, ring_attention
     from hyper_parallel.platform import get_platform
 
-    L, H = 64, 8
-    q, k, v, g = (torch.randn(1, H, L, 16) for _ in range(4))
-
-    def peak(fn):
-        leaves = [_leaf(t) for t in (q, k, v)]
-        with _live_bytes(leaves + [g]) as mem:
-            fn(*leaves).backward(g)
-        return mem.peak
-    single = peak(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True))
+    L = 64
     ratios = {}
-    for P in (2, world):
-        ranks = tuple(range(P)) if rank < P else (rank,)
-        layout = RingLayout(ranks, ranks.index(rank))
-        ids = (torch.arange(L * len(ranks)) * 3 // (L * len(ranks))).unsqueeze(0)   # 3 documents
-        with attention_masks(document_ids=ids, block_size=16) as masks:
-            ratios[(P, "unmasked")] = peak(lambda a, b, c: ring_attention(a, b, c, layout, True)) / single
-            ratios[(P, "masked")] = peak(lambda a, b, c: masked_ring_attention(a, b, c, layout, masks,
-                                                                               True)) / single
-        get_platform().barrier()
+    for hq, hkv in heads:
+        q, k, v, g = (torch.randn(1, h, L, 16) for h in (hq, hkv, hkv, hq))
+
+        def peak(fn):
+            leaves = [_leaf(t) for t in (q, k, v)]
+            with _live_bytes(leaves + [g]) as mem:
+                fn(*leaves).backward(g)
+            return mem.peak
+        single = peak(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True,
+                                                                     enable_gqa=hkv != hq))
+        for P in (2, world):
+            ranks = tuple(range(P)) if rank < P else (rank,)
+            layout = RingLayout(ranks, ranks.index(rank))
+            ids = (torch.arange(L * len(ranks)) * 3 // (L * len(ranks))).unsqueeze(0)   # 3 documents
+            with attention_masks(document_ids=ids, block_size=16) as masks:
+                ratios[(P, "unmasked", hq, hkv)] = peak(
+                    lambda a, b, c: ring_attention(a, b, c, layout, True)) / single
+                ratios[(P, "masked", hq, hkv)] = peak(
+                    lambda a, b, c: masked_ring_attention(a, b, c, layout, masks, True)) / single
+            get_platform().barrier()
     return ratios
 
 
@@ -256,4 +297,11 @@ def test_ring_memory_within_two_and_a_half_single_device():
     arriving, dK/dV hop send and receive, own block's dK/dV, the kernel's outputs, dq; the first head
     group's finished gradients). Without head groups it was 15."""
     for ratios in run_dist(4, _memory_case, timeout=300):
+        assert all(r <= 2.5 for r in ratios.values()), ratios
+
+
+def test_ring_memory_with_one_or_an_odd_number_of_kv_heads():
+    """MQA (one K/V head: the query heads run in chunks sharing the K/V block) and 3 or 5 K/V heads
+    (two head groups of unequal size) stay within 2.5x single-device attention too."""
+    for ratios in run_dist(4, _memory_case, ((8, 1), (6, 3), (5, 5)), timeout=300):
         assert all(r <= 2.5 for r in ratios.values()), ratios

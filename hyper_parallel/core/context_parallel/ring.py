@@ -32,7 +32,7 @@ from hyper_parallel.core.dtensor.ops.attention import merge_blocks as _merge
 from hyper_parallel.platform import get_platform
 
 SEQ, HEADS = -2, -3  # kernels see (batch, heads, seq, dim); the log-sum-exp is (batch, heads, seq)
-HEAD_GROUPS = 2      # rings per call, each on a slice of the K/V heads (1 where they do not divide)
+HEAD_GROUPS = 2      # rings per call, each on a slice of the K/V heads (one ring for a single K/V head)
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,7 @@ class CausalBlocks:
     same chunk runs the kernel's causal mask, an earlier one runs unmasked."""
     merge = staticmethod(_merge)
     empty = staticmethod(empty_result)   # never needed: every query chunk sees its own chunk
+    repeats_kv = True                    # GQA: the whole K/V block is repeated to the query heads
 
     def __init__(self, causal, scale):
         self.causal, self.scale = causal, scale
@@ -91,6 +92,48 @@ class CausalBlocks:
         return dq, _fold_heads(dk, groups), _fold_heads(dv, groups)
 
 
+class QueryHeadChunks:
+    """A block kernel run on chunks of the query heads in turn, all sharing the one K/V head of the
+    block (MQA, where the ring cannot split into K/V head groups). A kernel that repeats the K/V block
+    to every query head (``repeats_kv``) then repeats it to a chunk's heads only, and its dq, dk, dv
+    cover a chunk: the per-step buffers that are per query head shrink, while the K/V block, its hops
+    and the bytes sent stay as they are (each step runs ``HEAD_GROUPS`` kernel calls instead of one)."""
+
+    def __init__(self, inner, heads):
+        self.inner, self.merge, self.empty = inner, inner.merge, inner.empty
+        size = -(-heads // HEAD_GROUPS)
+        self.ranges = [(start, min(size, heads - start)) for start in range(0, heads, size)]
+
+    def _chunks(self, t):
+        return [t.narrow(HEADS % t.ndim, start, count) for start, count in self.ranges]
+
+    def forward(self, q, k, v, q_span, k_span):
+        results = [self.inner.forward(qc, k, v, q_span, k_span) for qc in self._chunks(q)]
+        if results[0] is None:
+            return None
+        return _cat([r[0] for r in results], HEADS, q), _cat([r[1] for r in results], -2, results[0][1])
+
+    def backward(self, grad_out, q, k, v, out, lse, q_span, k_span):
+        dq, dk, dv = [], None, None
+        lse_chunks = lse.split([count for _, count in self.ranges], -2)
+        for g, qc, oc, lc in zip(*(self._chunks(t) for t in (grad_out, q, out)), lse_chunks):
+            got = self.inner.backward(g, qc, k, v, oc, lc, q_span, k_span)
+            if got is None:
+                return None
+            dq.append(got[0])
+            # summed in the accumulator dtype (a half-precision chunk share is rounded once by the kernel)
+            dk, dv = _added(dk, got[1], lse.dtype), _added(dv, got[2], lse.dtype)
+            got = None
+        return _cat(dq, HEADS, q), dk, dv
+
+
+def _shared_kv(kernel, q, k):
+    """``kernel``, or its query-head chunks where the K/V block is one head repeated to several."""
+    if k.shape[HEADS] == 1 and q.shape[HEADS] > 1 and getattr(kernel, "repeats_kv", False):
+        return QueryHeadChunks(kernel, q.shape[HEADS])
+    return kernel
+
+
 class _Ring:
     """Neighbours and async block exchange on the ring."""
 
@@ -114,10 +157,12 @@ def _added(acc, x, dtype):
 
 
 def _head_ranges(kv_heads):
-    """(first K/V head, count) of each head group the ring runs on in turn."""
-    groups = HEAD_GROUPS if kv_heads % HEAD_GROUPS == 0 else 1
-    size = kv_heads // groups
-    return [(g * size, size) for g in range(groups)]
+    """(first K/V head, count) of each head group the ring runs on in turn. An odd count splits
+    unevenly, the larger group first: while the second group runs, the first group's finished
+    gradients wait beside it, and they are the smaller part that way."""
+    groups = min(HEAD_GROUPS, kv_heads)
+    bounds = [-(-kv_heads * g // groups) for g in range(groups + 1)]
+    return [(bounds[g], bounds[g + 1] - bounds[g]) for g in range(groups)]
 
 
 def _per_head_group(q, k, tensors, run):
@@ -258,7 +303,7 @@ def run_ring(q, k, v, layout, kernel):
                          f"{k.shape[HEADS]} key/value heads")
     if not _fn:
         _fn.append(get_platform().make_autograd_function("RingAttention", _forward, _backward))
-    return _fn[0](q, k, v, layout, kernel)
+    return _fn[0](q, k, v, layout, _shared_kv(kernel, q, k))
 
 
 def ring_attention(q, k, v, layout, causal=False, scale=None):
