@@ -8,8 +8,10 @@ returns at once; Start, reached later, waits for it. The engine runs ready nodes
 the nodes created in forward between the start and the wait (the compute the collective
 overlapped) have their backward run while the gradient collective travels.
 
-``completed(...)`` is the same member for a platform without usable async collectives: the
-ordinary differentiable collective runs at once and ``wait()`` hands its result back (same values).
+torch and MindSpore both use it. MindSpore's PyNative engine does not run ready nodes newest first:
+it reaches a Start node (the wait) before the compute created after that Start, so there a
+gradient collective overlaps the other collectives of backward rather than compute
+(tests/test_cp_async.py records both orders).
 
 Kinds (``dims``): ``"all_to_all"`` (split_dim, concat_dim; adjoint: the inverse all-to-all),
 ``"all_gather"`` (dim,; adjoint: a reduce-scatter sum). ``observer(event)``, if given, hears
@@ -104,31 +106,11 @@ def start(platform, kind, tensor, group, dims, observer=None):
     return pending
 
 
-class _Completed(PendingCollective):
-    def wait(self):
-        result, self.result = self.result, None
-        self.notify("wait")
-        return result
-
-
-def completed(platform, kind, tensor, group, dims, observer=None):
-    """The synchronous form of ``start``: the differentiable collective runs now."""
-    _check(kind, dims)
-    pending = _Completed(platform, kind, group, dims, observer)
-    if kind == "all_to_all":
-        pending.result = platform.differentiable_all_to_all(tensor, group, dims[0], dims[1])
-    else:
-        pending.result = platform.differentiable_all_gather(tensor, group, dims[0])
-    pending.notify("start")
-    return pending
-
-
 class SplitCollectivesContract:
     """The platform member of split collectives (a base of ``Platform``, see base.py)."""
 
     def start_differentiable_collective(self, kind, tensor, group, dims, observer=None):
         """Launch the differentiable collective ``kind`` ("all_to_all" with dims (split_dim,
         concat_dim), "all_gather" with (dim,)) asynchronously; the returned pending's ``wait()``
-        gives the result, and backward overlaps the same way. A platform without usable async
-        collectives overrides this with ``completed`` (synchronous, same values)."""
+        gives the result, and backward overlaps the same way."""
         return start(self, kind, tensor, group, dims, observer)

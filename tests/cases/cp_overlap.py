@@ -3,14 +3,14 @@ run under ``observe_pipeline``, returning which pipeline events each chunk produ
 
 
 def overlapped_grid(rank, world_size, plan, S=16, H=8):
-    """``cp_grid`` of ``plan`` (style kwargs with overlap=True); returns (checks done, sorted
-    [(stage, chunk, event)] seen)."""
+    """``cp_grid`` of ``plan`` (style kwargs with overlap=True); returns (checks done,
+    [(stage, chunk, event)] in the order they happened)."""
     from hyper_parallel.core.context_parallel.overlap import observe_pipeline
     from tests.cases.context_parallel import cp_grid
-    seen = set()
-    with observe_pipeline(lambda stage, chunk, event: seen.add((stage, chunk, event))):
+    seen = []
+    with observe_pipeline(lambda stage, chunk, event: seen.append((stage, chunk, event))):
         done = cp_grid(rank, world_size, plan, S, H)
-    return done, sorted(seen)
+    return done, seen
 
 
 def split_grid(rank, world_size, plan, H=8):

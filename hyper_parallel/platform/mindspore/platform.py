@@ -19,7 +19,6 @@ from mindspore.common.api import _no_grad, _pynative_executor
 from mindspore.communication import GlobalComm, get_rank, init
 
 from hyper_parallel.platform.base import Platform
-from hyper_parallel.platform.split_collectives import completed as _completed_collective
 from hyper_parallel.platform.mindspore import attention as attention_kernels
 from hyper_parallel.platform.mindspore import autograd as ag
 from hyper_parallel.platform.mindspore import meta
@@ -129,11 +128,6 @@ class MindSporePlatform(MindSporeTrainingSupport, Platform):  # training.py: fac
         self._comm.clear()
 
     # ---------------------------------------------------------------- autograd plumbing for core
-    def start_differentiable_collective(self, kind, tensor, group, dims, observer=None):
-        """Synchronous (the collective runs now, ``wait()`` returns it): a custom Function's
-        backward order here is not the newest-first one the split start/wait relies on."""
-        return _completed_collective(self, kind, tensor, group, dims, observer)
-
     @staticmethod
     def make_autograd_function(name, forward, backward):
         """A differentiable callable from ``forward(ctx, *args)`` / ``backward(ctx, *grads)``
