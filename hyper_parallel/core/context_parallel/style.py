@@ -24,7 +24,9 @@ def start_attention(module, *args, **kwargs):
     """Start ``module(*args, **kwargs)`` on a module ContextParallel was applied to, returning a
     pending call whose ``finish()`` gives the output ``module(...)`` would: q/k/v's collective
     travels in between, so the caller can compute meanwhile (e.g. the next head group's
-    projections; contract and limits: split_call.py, docs/context_parallel.md)."""
+    projections; contract and limits: split_call.py, docs/context_parallel.md). Like any
+    collective, calls must be started, and finished, in the same order on every rank, and every
+    started call finished."""
     starter = _starters.get(module)
     if starter is None:
         raise ValueError(f"start_attention: {type(module).__name__} has no ContextParallel applied; "
