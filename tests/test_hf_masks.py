@@ -128,3 +128,36 @@ def _dropout_refused(rank, world_size):
 
 def test_hf_masks_dropout_refused():
     assert run_dist(2, _dropout_refused) == [True] * 2
+
+
+def _checkpointed(rank, world_size, overlap):
+    """Activation checkpointing recomputes each layer in backward, after the forwards ended: three
+    forwards (padded, packed, plain) then one backward of their summed losses — every recomputed
+    attention must apply its own forward's masks. Loss and every gradient vs one process."""
+    import torch
+    from hyper_parallel import data_parallel, init_device_mesh, shard_sequence
+    from hyper_parallel.integrations.transformers import parallelize_model
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    batches = [_batch(v) for v in ("left-right-padding", "packed", "plain")]
+    ref_model = _model()
+    sum(_loss(ref_model(input_ids=b[0], attention_mask=b[2], position_ids=b[3], use_cache=False).logits,
+              b[1], (b[1] != -100).sum()) for b in batches).backward()
+    model = _model()
+    model.activation_checkpointing_enable()
+    parallelize_model(model, mesh, overlap=overlap)
+    data_parallel(model, mesh, average=False)
+    losses = []
+    for ids, labels, mask, positions in batches:
+        local = shard_sequence([ids, labels, mask, positions], mesh)
+        logits = model(input_ids=local[0], attention_mask=local[2], position_ids=local[3]).logits
+        losses.append(_loss(logits, local[1], (labels != -100).sum()))
+    sum(losses).backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_hf_masks_under_activation_checkpointing(overlap):
+    assert run_dist(2, _checkpointed, overlap) == [True] * 2

@@ -48,7 +48,7 @@ def _loss(logits, labels, count):
                            reduction="sum") / count
 
 
-def _hf_case(rank, world, family, cp_kwargs):
+def _hf_case(rank, world, family, cp_kwargs, checkpointing=False):
     """Loss and every parameter gradient of the pipelined model equal one process; returns the
     projection groups that ran per variant (plain: pipelined; padded: the block's own forward)."""
     import torch
@@ -56,7 +56,10 @@ def _hf_case(rank, world, family, cp_kwargs):
     from hyper_parallel.core.context_parallel.overlap import observe_pipeline
     from hyper_parallel.integrations.transformers import parallelize_model
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-    model = parallelize_model(_model(family), mesh, overlap=True, **cp_kwargs)
+    model = _model(family)
+    if checkpointing:   # the blocks' forward runs again in backward: its collectives too
+        model.activation_checkpointing_enable()
+    model = parallelize_model(model, mesh, overlap=True, **cp_kwargs)
     data_parallel(model, mesh, average=False)
     groups = {}
     for padded in (False, True):
@@ -80,11 +83,12 @@ def _hf_case(rank, world, family, cp_kwargs):
     return groups
 
 
-@pytest.mark.parametrize("family,cp_kwargs,world", [
-    ("llama", {}, 2), ("llama", {"ulysses_degree": 1}, 2), ("qwen3", {}, 2), ("llama", {"ulysses_degree": 2}, 4),
-], ids=["llama-ulysses", "llama-allgather", "qwen3-ulysses", "llama-hybrid"])
-def test_pipelined_blocks_equal_one_process(family, cp_kwargs, world):
-    for groups in run_dist(world, _hf_case, family, cp_kwargs, timeout=600):
+@pytest.mark.parametrize("family,cp_kwargs,world,checkpointing", [
+    ("llama", {}, 2, False), ("llama", {"ulysses_degree": 1}, 2, False), ("qwen3", {}, 2, False),
+    ("llama", {"ulysses_degree": 2}, 4, False), ("llama", {}, 2, True),
+], ids=["llama-ulysses", "llama-allgather", "qwen3-ulysses", "llama-hybrid", "llama-checkpointed"])
+def test_pipelined_blocks_equal_one_process(family, cp_kwargs, world, checkpointing):
+    for groups in run_dist(world, _hf_case, family, cp_kwargs, checkpointing, timeout=600):
         assert groups == {"plain": [0, 1], "padded": []}, groups
 
 

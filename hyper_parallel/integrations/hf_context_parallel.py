@@ -27,6 +27,7 @@ window shorter than the sequence, and attention dropout together with a padding 
 """
 import copy
 import itertools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -51,32 +52,53 @@ class _CoreAttention(torch.nn.Module):
 
 
 class CPAttention:
-    """The per-model state: the CP core attention, and the global masks of the current forward
-    (``attention_masks`` keyword arguments, or None)."""
+    """The per-model state: the CP core attention, and the global masks of each forward
+    (``attention_masks`` keyword arguments, or None).
+
+    Activation checkpointing runs a layer's forward again during backward, after the model's
+    forward ended: its attention calls must see the masks of *their* forward, not of the latest
+    one (several forwards may precede one backward). So each forward's masks are filed under the
+    ``position_ids`` tensor that forward hands to every layer (a fresh view per forward, which
+    checkpointing keeps as a layer input), and found again from the call's ``position_ids``."""
 
     def __init__(self, model, cp_mesh, cp_kwargs):
         self.config = model.config
         self.mesh = cp_mesh
         self.core = ContextParallel(seq_dim=2, head_dim=1, **cp_kwargs).apply(_CoreAttention(), cp_mesh)
-        self.masks = None
+        self.masks, self.in_forward = None, False
+        self._by_positions = {}   # id(a forward's position_ids) -> (weak ref to them, its masks)
         self.name = f"hyper_parallel_cp_{next(_names)}"
 
     # ------------------------------------------------------------------ the attention function
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        args = self._core_args(module, query, key, value, attention_mask, scaling, dropout, kwargs)
-        if self.masks is None:
+        masks = self.masks_for(kwargs)
+        args = self._core_args(module, query, key, value, attention_mask, scaling, dropout, kwargs, masks)
+        if masks is None:
             return self.core(*args), None
         # entered per call (not across the whole forward): a forward that raises leaves no context behind
-        with attention_masks(**self.masks):
+        with attention_masks(**masks):
             return self.core(*args), None
 
     def start(self, module, query, key, value, scaling=None, dropout=0.0):
         """The same call as a pending one (``start_attention``: its collective travels until
         ``finish()``); only where no mask is active (hf_overlap.py checks)."""
-        args = self._core_args(module, query, key, value, None, scaling, dropout, {})
+        args = self._core_args(module, query, key, value, None, scaling, dropout, {}, None)
         return start_attention(self.core, *args)
 
-    def _core_args(self, module, query, key, value, attention_mask, scaling, dropout, kwargs):
+    def masks_for(self, kwargs):
+        """The masks of the forward this attention call belongs to (see the class docstring)."""
+        positions = kwargs.get("position_ids")
+        filed = self._by_positions.get(id(positions))
+        if filed is not None and filed[0]() is positions:
+            return filed[1]
+        if self.in_forward:
+            return self.masks
+        raise ValueError("parallelize_model: an attention call outside the model's forward (activation "
+                         "checkpointing recomputing a layer?) without that forward's position_ids, so its "
+                         "padding / packing masks cannot be found; pass position_ids on to the attention "
+                         "as transformers' Llama-family layers do")
+
+    def _core_args(self, module, query, key, value, attention_mask, scaling, dropout, kwargs, masks):
         if attention_mask is not None:
             raise ValueError("parallelize_model: the attention received a prepared mask tensor; under "
                              "context parallelism pass the 2-D padding attention_mask (this rank's block) "
@@ -84,7 +106,7 @@ class CPAttention:
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
         gqa = query.shape[1] != key.shape[1]
-        if self.masks is not None and dropout:
+        if masks is not None and dropout:
             raise ValueError(f"parallelize_model: attention dropout {dropout} with a padding mask or packed "
                              f"position_ids under context parallelism is not supported (the masked kernels "
                              f"take none); set the config's attention_dropout=0 or call model.eval()")
@@ -105,12 +127,17 @@ class CPAttention:
             first = kwargs.get("inputs_embeds")
         batch, local = int(first.shape[0]), int(first.shape[1])
         positions = self._positions(kwargs.get("position_ids"), batch, local)
+        positions = positions.view(positions.shape)   # this forward's own tensor object (masks_for)
         kwargs["position_ids"] = positions
         self.masks = self._global_masks(kwargs.get("attention_mask"), positions, batch, local)
+        key = id(positions)
+        self._by_positions[key] = (weakref.ref(positions), self.masks)
+        weakref.finalize(positions, self._by_positions.pop, key, None)   # gone with the forward's graph
+        self.in_forward = True
         return args, kwargs
 
     def post_forward(self, module, args, kwargs, output):
-        self.masks = None  # autograd keeps what backward needs
+        self.masks, self.in_forward = None, False   # recomputations find theirs by position_ids
         return output
 
     def _gather(self, tensor):

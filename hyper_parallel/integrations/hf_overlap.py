@@ -75,7 +75,7 @@ class PipelinedAttention:
         module = self.module
         dropout = module.attention_dropout if module.training else 0.0
         if (len(args) > len(names) or bound["attention_mask"] is not None or cache is not None or dropout
-                or self.state.masks is not None or bound["position_embeddings"] is None
+                or self.state.masks_for(kwargs) is not None or bound["position_embeddings"] is None
                 or isinstance(bound["hidden_states"], DTensor)
                 or not all(_plain_linear(getattr(module, n)) for n in _PROJECTIONS)):
             return self.original(*args, **kwargs)
