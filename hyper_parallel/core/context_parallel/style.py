@@ -112,8 +112,8 @@ class ContextParallel(ParallelStyle):
 
         def start(*args, **kwargs):
             qkv, call = self._bind(original, args, kwargs)
-            pending = guarded(lambda: start_call(self, mesh, qkv, lambda *t: guarded(lambda: call(*t))))
-            return pending
+            # finish() runs the module later: inside the guard again, as forward does
+            return guarded(lambda: start_call(self, mesh, qkv, lambda *t: guarded(lambda: call(*t))))
         _starters[module] = start
         return forward
 
