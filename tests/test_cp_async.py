@@ -13,7 +13,8 @@ import pytest
 from tests.cases import context_parallel as neutral
 from tests.cases import cp_overlap as overlap_cases
 # the single-device reference and block helpers are the GQA/mesh tests' (one copy)
-from tests.test_cp_gqa_and_meshes import LAYOUTS, POINTS, TOL, _block_index, _leaf, _reference, _shape
+from tests.test_cp_gqa_and_meshes import (LAYOUTS, POINTS, TOL, _block_index, _leaf, _problem, _reference,
+                                          _shape)
 from tests.harness import run_dist
 from tests.harness.frameworks import framework_worlds, run_on
 
@@ -26,12 +27,7 @@ def _check(mesh, style, layout, kind, causal, Hq, Hkv, chunks_expected, S=16, se
     from tests.frameworks.torch_adapter import TorchAdapter
 
     seq, head = LAYOUTS[layout]
-    gen = torch.Generator().manual_seed(seed)
-    full = [torch.randn(_shape(layout, S, h), generator=gen) for h in (Hq, Hkv, Hkv)]
-    w = torch.randn(_shape(layout, S, Hq), generator=gen)
-    ref_leaves = [_leaf(t) for t in full]
-    ref = _reference(*ref_leaves, layout, causal)
-    (ref * w).sum().backward()
+    full, w, ref_leaves, ref = _problem(layout, causal, Hq, Hkv, S, seed)
 
     index, parts = _block_index(mesh)
     leaves = [_leaf(t.chunk(parts, seq)[index]) for t in full]

@@ -49,6 +49,19 @@ def _block_index(mesh):
     return mesh.get_local_rank("co") * mesh.size("ds") + mesh.get_local_rank("ds"), mesh.size()
 
 
+def _problem(layout, causal, Hq, Hkv, S=16, seed=0):
+    """(full q, k, v; the output weight w; the reference's leaves, holding the gradients of
+    sum(ref * w); the reference output), all from ``seed``."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    full = [torch.randn(_shape(layout, S, h), generator=gen) for h in (Hq, Hkv, Hkv)]
+    w = torch.randn(_shape(layout, S, Hq), generator=gen)
+    ref_leaves = [_leaf(t) for t in full]
+    ref = _reference(*ref_leaves, layout, causal)
+    (ref * w).sum().backward()
+    return full, w, ref_leaves, ref
+
+
 def _check(mesh, style_kwargs, layout, kind, causal, Hq, Hkv, S=16, seed=0):
     """One call on this rank's block vs the reference: output, dq, dk, dv."""
     import torch
@@ -56,12 +69,7 @@ def _check(mesh, style_kwargs, layout, kind, causal, Hq, Hkv, S=16, seed=0):
     from tests.frameworks.torch_adapter import TorchAdapter
 
     seq, head = LAYOUTS[layout]
-    gen = torch.Generator().manual_seed(seed)
-    full = [torch.randn(_shape(layout, S, h), generator=gen) for h in (Hq, Hkv, Hkv)]
-    w = torch.randn(_shape(layout, S, Hq), generator=gen)
-    ref_leaves = [_leaf(t) for t in full]
-    ref = _reference(*ref_leaves, layout, causal)
-    (ref * w).sum().backward()
+    full, w, ref_leaves, ref = _problem(layout, causal, Hq, Hkv, S, seed)
 
     index, parts = _block_index(mesh)
     leaves = [_leaf(t.chunk(parts, seq)[index]) for t in full]
