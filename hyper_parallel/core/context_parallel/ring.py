@@ -104,8 +104,8 @@ class QueryHeadChunks:
         size = -(-heads // HEAD_GROUPS)
         self.ranges = [(start, min(size, heads - start)) for start in range(0, heads, size)]
 
-    def _chunks(self, t):
-        return [t.narrow(HEADS % t.ndim, start, count) for start, count in self.ranges]
+    def _chunks(self, t, heads_dim=HEADS):
+        return [t.narrow(heads_dim % t.ndim, start, count) for start, count in self.ranges]
 
     def forward(self, q, k, v, q_span, k_span):
         results = [self.inner.forward(qc, k, v, q_span, k_span) for qc in self._chunks(q)]
@@ -115,8 +115,7 @@ class QueryHeadChunks:
 
     def backward(self, grad_out, q, k, v, out, lse, q_span, k_span):
         dq, dk, dv = [], None, None
-        lse_chunks = lse.split([count for _, count in self.ranges], -2)
-        for g, qc, oc, lc in zip(*(self._chunks(t) for t in (grad_out, q, out)), lse_chunks):
+        for g, qc, oc, lc in zip(*(self._chunks(t) for t in (grad_out, q, out)), self._chunks(lse, -2)):
             got = self.inner.backward(g, qc, k, v, oc, lc, q_span, k_span)
             if got is None:
                 return None
