@@ -157,8 +157,8 @@ def _added(acc, x, dtype):
 
 def _head_ranges(kv_heads):
     """(first K/V head, count) of each head group the ring runs on in turn. An odd count splits
-    unevenly, the larger group first: while the second group runs, the first group's finished
-    gradients wait beside it, and they are the smaller part that way."""
+    unevenly, the larger group first: it then runs with nothing waiting beside it, and the smaller
+    group's ring, beside the first group's finished gradients, stays below it."""
     groups = min(HEAD_GROUPS, kv_heads)
     bounds = [-(-kv_heads * g // groups) for g in range(groups + 1)]
     return [(bounds[g], bounds[g + 1] - bounds[g]) for g in range(groups)]
