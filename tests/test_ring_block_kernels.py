@@ -77,14 +77,20 @@ def _masked_case(rank, world):
                     out = masked_ring_attention(*mine, RingLayout(tuple(range(world)), rank, zigzag), masks,
                                                 causal)
                 where = f"zigzag={zigzag} kv_heads={hkv} causal={causal} P={world}"
-                torch.testing.assert_close(out, _pick(ref.detach(), rank, world, zigzag), **TOL,
-                                           msg=lambda m: f"out {where}: {m}")
-                (out * _pick(w, rank, world, zigzag)).sum().backward()
-                for name, leaf, r in zip("qkv", mine, refs):
-                    torch.testing.assert_close(leaf.grad, _pick(r.grad, rank, world, zigzag), **TOL,
-                                               msg=lambda m, n=name: f"d{n} {where}: {m}")
-                done.append(where)
+                done.append(_compare(out, ref, w, mine, refs, (rank, world, zigzag), where))
     return done
+
+
+def _compare(out, ref, w, mine, refs, block, where):
+    """This rank's ``out`` and the gradients of its leaves ``mine`` (after backward of sum(out * w))
+    against its ``block`` = (rank, world, zigzag) of the reference and its leaves' gradients."""
+    import torch
+    torch.testing.assert_close(out, _pick(ref.detach(), *block), **TOL, msg=lambda m: f"out {where}: {m}")
+    (out * _pick(w, *block)).sum().backward()
+    for name, leaf, r in zip("qkv", mine, refs):
+        torch.testing.assert_close(leaf.grad, _pick(r.grad, *block), **TOL,
+                                   msg=lambda m, n=name: f"d{n} {where}: {m}")
+    return where
 
 
 def test_masked_ring_matches_single_device():
@@ -113,13 +119,7 @@ def _unmasked_heads_case(rank, world):
                 mine = [_leaf(_pick(t, rank, world, zigzag)) for t in full]
                 out = ring_attention(*mine, RingLayout(tuple(range(world)), rank, zigzag), causal)
                 where = f"hq={hq} kv_heads={hkv} zigzag={zigzag} causal={causal} P={world}"
-                torch.testing.assert_close(out, _pick(ref.detach(), rank, world, zigzag), **TOL,
-                                           msg=lambda m: f"out {where}: {m}")
-                (out * _pick(w, rank, world, zigzag)).sum().backward()
-                for name, leaf, r in zip("qkv", mine, refs):
-                    torch.testing.assert_close(leaf.grad, _pick(r.grad, rank, world, zigzag), **TOL,
-                                               msg=lambda m, n=name: f"d{n} {where}: {m}")
-                done.append(where)
+                done.append(_compare(out, ref, w, mine, refs, (rank, world, zigzag), where))
     return done
 
 
