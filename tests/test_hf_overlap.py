@@ -21,7 +21,9 @@ def _model(family, seed=0):
     import torch
     import transformers
     config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
-                             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[family]
+                             "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+                             "mistral": ("MistralConfig", "MistralForCausalLM")}[family]
     config = getattr(transformers, config_cls)(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, attention_bias=family == "llama")
@@ -85,8 +87,10 @@ def _hf_case(rank, world, family, cp_kwargs, checkpointing=False):
 
 @pytest.mark.parametrize("family,cp_kwargs,world,checkpointing", [
     ("llama", {}, 2, False), ("llama", {"ulysses_degree": 1}, 2, False), ("qwen3", {}, 2, False),
-    ("llama", {"ulysses_degree": 2}, 4, False), ("llama", {}, 2, True),
-], ids=["llama-ulysses", "llama-allgather", "qwen3-ulysses", "llama-hybrid", "llama-checkpointed"])
+    ("llama", {"ulysses_degree": 2}, 4, False), ("llama", {}, 2, True), ("qwen2", {}, 2, False),
+    ("mistral", {"ulysses_degree": 1}, 2, False),
+], ids=["llama-ulysses", "llama-allgather", "qwen3-ulysses", "llama-hybrid", "llama-checkpointed",
+        "qwen2-ulysses", "mistral-allgather"])
 def test_pipelined_blocks_equal_one_process(family, cp_kwargs, world, checkpointing):
     for groups in run_dist(world, _hf_case, family, cp_kwargs, checkpointing, timeout=600):
         assert groups == {"plain": [0, 1], "padded": []}, groups
