@@ -3,7 +3,8 @@ attention blocks of ``parallelize_model(..., overlap=True)`` (integrations/hf_ov
 ``start_attention`` (tested on its own in tests/test_cp_async.py).
 
 Every check is against one process: the pipelined models against the unparallelized model (loss
-and every parameter gradient, fp32 1e-5). The pipeline's order is read from ``observe_pipeline`` events (no timing):
+and every parameter gradient, fp32 1e-5). The pipeline's order is read from ``observe_pipeline``
+events (no timing):
 group c+1's projections run between group c's collective start and its wait, in forward, and
 group c+1's projection backward between group c's gradient collective start and its wait."""
 import pytest
@@ -25,7 +26,8 @@ def _model(family, seed=0):
                              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
                              "mistral": ("MistralConfig", "MistralForCausalLM")}[family]
     config = getattr(transformers, config_cls)(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
         head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, attention_bias=family == "llama")
     torch.manual_seed(seed)
     return getattr(transformers, model_cls)(config).float()
