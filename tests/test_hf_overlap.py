@@ -4,9 +4,9 @@ attention blocks of ``parallelize_model(..., overlap=True)`` (integrations/hf_ov
 
 Every check is against one process: the pipelined models against the unparallelized model (loss
 and every parameter gradient, fp32 1e-5). The pipeline's order is read from ``observe_pipeline``
-events (no timing):
-group c+1's projections run between group c's collective start and its wait, in forward, and
-group c+1's projection backward between group c's gradient collective start and its wait."""
+events (no timing): group c+1's projections run between group c's collective start and its wait,
+in forward, and group c+1's projection backward between group c's gradient collective start and
+its wait."""
 import pytest
 
 from tests.harness import run_dist
