@@ -134,3 +134,30 @@ def test_projections_overlap_the_collectives():
         # group 0's gradient collective starts second and is waited for last
         assert grad_starts[1] < backward.index(("proj", 1, "backward")) < grad_waits[1], backward
         assert grad_waits[1] < backward.index(("proj", 0, "backward")), backward
+
+
+def _noncausal_case(rank, world):
+    """``is_causal=False`` handed to a block reaches the attention in the pipelined forward as in
+    the block's own (the CP attention function reads it): the two equal, and differ from causal."""
+    import torch
+    from hyper_parallel import init_device_mesh
+    from hyper_parallel.integrations.transformers import parallelize_model
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    outs = {}
+    for overlap in (False, True):
+        model = parallelize_model(_model("llama"), mesh, overlap=overlap)
+        block = model.model.layers[0].self_attn
+        torch.manual_seed(1)
+        hidden = torch.randn(B, S // world, 32)
+        positions = torch.arange(S // world).unsqueeze(0) + rank * (S // world)
+        cos_sin = model.model.rotary_emb(hidden, positions)
+        outs[overlap] = [block(hidden_states=hidden, position_embeddings=cos_sin, attention_mask=None,
+                               position_ids=positions, is_causal=causal)[0] for causal in (False, True)]
+    torch.testing.assert_close(outs[True][0], outs[False][0], **TOL)
+    torch.testing.assert_close(outs[True][1], outs[False][1], **TOL)
+    assert not torch.allclose(outs[True][0], outs[True][1])
+    return True
+
+
+def test_pipelined_block_passes_is_causal_on():
+    assert run_dist(2, _noncausal_case) == [True, True]

@@ -79,10 +79,10 @@ class CPAttention:
         with attention_masks(**masks):
             return self.core(*args), None
 
-    def start(self, module, query, key, value, scaling=None, dropout=0.0):
+    def start(self, module, query, key, value, scaling=None, dropout=0.0, **kwargs):
         """The same call as a pending one (``start_attention``: its collective travels until
         ``finish()``); only where no mask is active (hf_overlap.py checks)."""
-        args = self._core_args(module, query, key, value, None, scaling, dropout, {}, None)
+        args = self._core_args(module, query, key, value, None, scaling, dropout, kwargs, None)
         return start_attention(self.core, *args)
 
     def masks_for(self, kwargs):
@@ -93,6 +93,8 @@ class CPAttention:
             return filed[1]
         if self.in_forward:
             return self.masks
+        if all(masks is None for _, masks in self._by_positions.values()):
+            return None   # no live forward had masks: none can be missed (e.g. a layer called directly)
         raise ValueError("parallelize_model: an attention call outside the model's forward (activation "
                          "checkpointing recomputing a layer?) without that forward's position_ids, so its "
                          "padding / packing masks cannot be found; pass position_ids on to the attention "

@@ -79,14 +79,16 @@ class PipelinedAttention:
                 or isinstance(bound["hidden_states"], DTensor)
                 or not all(_plain_linear(getattr(module, n)) for n in _PROJECTIONS)):
             return self.original(*args, **kwargs)
-        return self._pipelined(bound["hidden_states"], *bound["position_embeddings"])
+        # what the block's own forward hands the attention function besides q/k/v (is_causal, ...)
+        extra = {n: v for n, v in kwargs.items() if n not in names and n != "past_key_values"}
+        return self._pipelined(bound["hidden_states"], *bound["position_embeddings"], extra)
 
-    def _pipelined(self, hidden, cos, sin):
+    def _pipelined(self, hidden, cos, sin, extra):
         module, n = self.module, self.groups
         outs, pending = [], None
         for c in range(n):
             q, k, v = self._group_qkv(hidden, c, cos, sin)
-            started = self.state.start(module, q, k, v, module.scaling, 0.0)
+            started = self.state.start(module, q, k, v, module.scaling, 0.0, **extra)
             if pending is not None:   # the previous group's attention, while this group's q/k/v travel
                 outs.append(pending.finish())
             pending = started
