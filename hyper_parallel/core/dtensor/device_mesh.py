@@ -6,6 +6,7 @@ other coordinate of the root) with the mesh's own dims last. Group creation walk
 creation can never deadlock.
 """
 import math
+import numbers
 import threading
 
 import numpy as np
@@ -29,7 +30,7 @@ def current_mesh():
 
 class DeviceMesh:
     def __init__(self, device_type, mesh, *, mesh_dim_names=None, _full=None, _root=None,
-                 _root_dims=None, _timeout=None):
+                 _root_dims=None, _timeout=None, _groups=None):
         platform = get_platform()
         array = np.asarray(mesh.tolist() if hasattr(mesh, "tolist") else mesh, dtype=np.int64)
         if array.ndim == 0:
@@ -56,7 +57,9 @@ class DeviceMesh:
         self._rank = platform.get_rank()
         where = np.argwhere(array == self._rank)
         self._coordinate = tuple(int(c) for c in where[0]) if len(where) else None
-        self._groups = self._create_groups(platform)
+        # from_group meshes keep the user's groups: creating others would need every world rank
+        self._given_groups = _groups is not None
+        self._groups = list(_groups) if _groups is not None else self._create_groups(platform)
 
     # ------------------------------------------------------------------ groups
     def _create_groups(self, platform):
@@ -117,12 +120,22 @@ class DeviceMesh:
                                  f"{self._dim_names})")
             dim = 0
         dim = self._dim_index(dim)
+        self._check_alive()
         if self._coordinate is None:
             # a None group would mean the whole world to the framework: a collective on it hangs
             raise ValueError(f"rank {self._rank} is not part of mesh {self.rank_list}, so it has no group on "
                              f"mesh dim {dim}; run collectives of this mesh only on its ranks (check "
                              f"mesh.get_coordinate() is not None)")
         return self._groups[dim]
+
+    def _check_alive(self):
+        """A mesh's groups die with ``destroy_process_group``; the framework would then fail on a
+        stale group with a bare KeyError, so name what happened and what to do instead."""
+        if not get_platform().is_initialized():
+            raise RuntimeError(f"the process group of {self!r} is gone: destroy_process_group() was called "
+                               f"after this mesh (and the DTensors on it) were created. Use DTensors only "
+                               f"before destroy_process_group(), or initialise again and build a new mesh "
+                               f"(init_device_mesh) and new DTensors on it")
 
     def get_local_rank(self, dim=None):
         if self._coordinate is None:
@@ -132,7 +145,7 @@ class DeviceMesh:
     def group_ranks(self, dim):
         """The global ranks of this rank's group along ``dim``, in mesh order."""
         dim = self._dim_index(dim)
-        index = list(self._anchor())
+        index = list(self._anchor(f"group on mesh dim {dim}"))
         index[dim] = slice(None)
         return tuple(int(r) for r in self._mesh[tuple(index)])
 
@@ -149,15 +162,21 @@ class DeviceMesh:
     def _root_or_self(self):
         return self._root or self
 
-    def _anchor(self):
-        """This rank's coordinate; outside the mesh the first one, so that slicing a mesh on a rank
-        outside it gives the first sub-mesh (which does not contain the rank either), as PyTorch."""
-        return self._coordinate if self._coordinate is not None else (0,) * self.ndim
+    def _anchor(self, what="a sub-mesh"):
+        """This rank's coordinate. A rank outside the mesh has no sub-mesh of its own (PyTorch gives
+        each rank the one containing it): any choice would be a mesh it is not part of, on which
+        its collectives would hang or join foreign groups, so it is an error."""
+        if self._coordinate is None:
+            raise ValueError(f"rank {self._rank} is not part of mesh {self.rank_list}, so it has no {what} "
+                             f"of it (each rank gets the sub-mesh that contains it); slice the mesh only on "
+                             f"its ranks (check mesh.get_coordinate() is not None first)")
+        return self._coordinate
 
     def __getitem__(self, names):
         names = (names,) if isinstance(names, str) else tuple(names)
         root = self._root_or_self()
         if len(names) == 1 and names[0] in root._flattened:
+            self._anchor(f"sub-mesh {names[0]!r}")
             return root._flattened[names[0]]
         if not self._dim_names:
             raise KeyError("this mesh has no dim names; create it with mesh_dim_names=... to slice it")
@@ -165,6 +184,7 @@ class DeviceMesh:
         if missing:
             raise KeyError(f"mesh dims {missing} not found; available: {self._dim_names} and flattened "
                            f"{tuple(root._flattened)}")
+        self._anchor(f"sub-mesh {names}")
         if names == self._dim_names:
             return self
         return self._select([self._dim_names.index(n) for n in names])
@@ -177,8 +197,9 @@ class DeviceMesh:
         copies = self._full.ndim - self.ndim
         full = np.transpose(self._full, list(range(copies)) + [copies + d for d in others] +
                             [copies + d for d in dims])
+        groups = [self._groups[d] for d in dims] if self._given_groups else None
         return DeviceMesh(self.device_type, sub, mesh_dim_names=tuple(self._dim_names[d] for d in dims),
-                          _full=full, _root=self._root_or_self(),
+                          _full=full, _root=self._root_or_self(), _groups=groups,
                           _root_dims=tuple(self._root_dims[d] for d in dims), _timeout=self._timeout)
 
     def flatten(self, name=None):
@@ -232,7 +253,8 @@ class DeviceMesh:
         entries.sort(key=lambda e: e[0][0])
         order = sum((dims for dims, _ in entries), ())
         others = [d for d in range(root.ndim) if d not in order]
-        index = tuple(root._anchor()[d] if d in others else slice(None) for d in range(root.ndim))
+        anchor = root._anchor("concatenated sub-mesh")
+        index = tuple(anchor[d] if d in others else slice(None) for d in range(root.ndim))
         kept = [d for d in range(root.ndim) if d in order]
         sub = np.transpose(root._mesh[index], [kept.index(d) for d in order])
         sizes = [math.prod(root._mesh.shape[d] for d in dims) for dims, _ in entries]
@@ -243,6 +265,34 @@ class DeviceMesh:
         return DeviceMesh(root.device_type, sub.reshape(sizes), mesh_dim_names=tuple(n for _, n in entries),
                           _full=full.reshape(lead + tuple(sizes)), _root=root,
                           _root_dims=tuple(dims for dims, _ in entries), _timeout=root._timeout)
+
+    @staticmethod
+    def from_group(group, device_type, mesh=None, *, mesh_dim_names=None):
+        """A mesh over existing process group(s), as PyTorch's ``DeviceMesh.from_group``: one group
+        gives a 1-D mesh of its ranks (``mesh`` optional); a list of groups, one per mesh dim, needs
+        ``mesh`` (the global rank grid), and each group must be this rank's line of it on its dim.
+        The groups are used as they are (no new group is created, so only their members need call
+        this)."""
+        groups = list(group) if isinstance(group, (list, tuple)) else [group]
+        platform = get_platform()
+        if mesh is None:
+            if len(groups) != 1:
+                raise ValueError(f"DeviceMesh.from_group with {len(groups)} groups needs mesh= (the rank grid, "
+                                 f"one dim per group)")
+            mesh = list(platform.group_ranks(groups[0]))
+        array = np.asarray(mesh.tolist() if hasattr(mesh, "tolist") else mesh, dtype=np.int64)
+        if array.ndim != len(groups):
+            raise ValueError(f"DeviceMesh.from_group: mesh of shape {array.shape} has {array.ndim} dims but "
+                             f"{len(groups)} group(s) were given; pass one group per mesh dim")
+        out = DeviceMesh(device_type, array, mesh_dim_names=mesh_dim_names, _groups=groups)
+        if out.get_coordinate() is not None:
+            for dim, g in enumerate(groups):
+                line, have = out.group_ranks(dim), tuple(platform.group_ranks(g))
+                if line != have:
+                    raise ValueError(f"DeviceMesh.from_group: group {dim} has ranks {have}, but this rank's "
+                                     f"line of mesh {array.tolist()} on dim {dim} is {line}; pass the groups "
+                                     f"in mesh-dim order, each the one containing this rank")
+        return out
 
     # ------------------------------------------------------------------ identity
     def to_hash(self):
@@ -282,13 +332,37 @@ def init_device_mesh(device_type, mesh_shape, *, mesh_dim_names=None, timeout=No
     if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"init_device_mesh timeout={timeout!r}: give a positive number of seconds (or None "
                          f"for the framework's default)")
+    mesh_shape = _check_shape(mesh_shape)  # before the process group: a bad shape fails alike everywhere
     platform = get_platform()
     if not platform.is_initialized():
         platform.init_process_group(timeout_s=timeout)
-    mesh_shape = tuple(int(s) for s in mesh_shape)
     world = platform.get_world_size()
+    known = math.prod(s for s in mesh_shape if s != -1)
+    if -1 in mesh_shape:
+        if world % known:
+            raise ValueError(f"mesh_shape {mesh_shape}: the world size {world} is not divisible by "
+                             f"{known}, so the -1 entry cannot be inferred; give sizes whose product is {world}")
+        mesh_shape = tuple(world // known if s == -1 else s for s in mesh_shape)
     if math.prod(mesh_shape) != world:
         raise ValueError(f"mesh_shape {mesh_shape} holds {math.prod(mesh_shape)} ranks but the world has "
                          f"{world}; make the product of mesh_shape equal the world size")
     return DeviceMesh(device_type, np.arange(world).reshape(mesh_shape), mesh_dim_names=mesh_dim_names,
                       _timeout=None if timeout is None else float(timeout))
+
+
+def _check_shape(mesh_shape):
+    """``mesh_shape`` as a tuple of positive ints, one of which may be -1 (inferred, as reshape)."""
+    shape = (mesh_shape,) if isinstance(mesh_shape, int) else mesh_shape
+    try:
+        shape = tuple(shape)
+    except TypeError:
+        raise ValueError(f"init_device_mesh: mesh_shape={mesh_shape!r} must be a tuple of positive ints, "
+                         f"e.g. (2, 4)") from None
+    bad = [s for s in shape if isinstance(s, bool) or not isinstance(s, numbers.Integral) or (s < 1 and s != -1)]
+    if bad or not shape:
+        raise ValueError(f"init_device_mesh: mesh_shape={mesh_shape!r} has size(s) {bad or 'none'}; every "
+                         f"size must be a positive int (one may be -1, inferred from the world size)")
+    if shape.count(-1) > 1:
+        raise ValueError(f"init_device_mesh: mesh_shape={mesh_shape!r} has {shape.count(-1)} entries of -1; "
+                         f"at most one size can be inferred from the world size")
+    return tuple(int(s) for s in shape)

@@ -142,7 +142,14 @@ class TorchPlatform(Platform):
         if group is None or group is dist.group.WORLD:
             return tuple(range(dist.get_world_size()))
         ranks = self._group_ranks.get(group)
-        return ranks if ranks is not None else tuple(dist.get_process_group_ranks(group))
+        if ranks is not None:
+            return ranks
+        try:
+            return tuple(dist.get_process_group_ranks(group))
+        except KeyError:  # torch's own message is the bare group object
+            raise RuntimeError(f"process group {group!r} is gone (destroy_process_group() was called after it "
+                               f"was created); meshes and DTensors do not outlive their process group: build "
+                               f"a new mesh (init_device_mesh) and new DTensors after initialising again") from None
 
     def barrier(self, group=None):
         self._comm._launch("barrier", group, lambda: dist.barrier(group))
