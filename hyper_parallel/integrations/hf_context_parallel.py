@@ -34,7 +34,9 @@ import torch.nn.functional as F
 
 from hyper_parallel.core.context_parallel import ContextParallel, start_attention
 from hyper_parallel.core.context_parallel.masks import attention_masks
+from hyper_parallel.integrations.hf_attention_args import check_attention_kwargs, check_sliding_window
 from hyper_parallel.integrations.hf_overlap import pipeline_attention_blocks
+from hyper_parallel.integrations.hf_sequence_audit import refuse_sequence_mixing
 from hyper_parallel.platform import get_platform
 
 _names = itertools.count()
@@ -66,11 +68,18 @@ class CPAttention:
         self.mesh = cp_mesh
         self.core = ContextParallel(seq_dim=2, head_dim=1, **cp_kwargs).apply(_CoreAttention(), cp_mesh)
         self.masks, self.in_forward = None, False
+        self.model = weakref.ref(model)
+        # the sequence-mixing audit (hf_sequence_audit.py): its runs get a token-local stand-in for
+        # attention; a model still on the meta device is audited at its first forward
+        self.probing, self.audit_pending = False, False
         self._by_positions = {}   # id(a forward's position_ids) -> (weak ref to them, its masks)
         self.name = f"hyper_parallel_cp_{next(_names)}"
 
     # ------------------------------------------------------------------ the attention function
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if self.probing:
+            check_attention_kwargs(module, kwargs)
+            return _token_local_attention(query, value), None
         masks = self.masks_for(kwargs)
         args = self._core_args(module, query, key, value, attention_mask, scaling, dropout, kwargs, masks)
         if masks is None:
@@ -105,6 +114,8 @@ class CPAttention:
             raise ValueError("parallelize_model: the attention received a prepared mask tensor; under "
                              "context parallelism pass the 2-D padding attention_mask (this rank's block) "
                              "instead")
+        check_attention_kwargs(module, kwargs)
+        check_sliding_window(module, kwargs.get("sliding_window"), query.shape[2] * self.mesh.size())
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
         gqa = query.shape[1] != key.shape[1]
@@ -115,7 +126,19 @@ class CPAttention:
         return query, key, value, scaling, dropout, causal, gqa
 
     # ------------------------------------------------------------------ once per forward
+    def audit(self):
+        """Refuse the model if a module other than attention mixes the sequence (every rank alike)."""
+        self.audit_pending, self.probing = False, True
+        try:
+            refuse_sequence_mixing(self.model())
+        finally:
+            self.probing = False
+
     def pre_forward(self, module, args, kwargs):
+        if self.probing:
+            return args, kwargs
+        if self.audit_pending:
+            self.audit()
         if len(args) > 1:
             raise ValueError("parallelize_model: under context parallelism call the model with keyword "
                              "arguments (input_ids=..., attention_mask=..., position_ids=...)")
@@ -156,8 +179,6 @@ class CPAttention:
         return positions
 
     def _global_masks(self, attention_mask, positions, batch, local):
-        total = local * self.mesh.size()
-        self._check_window(total)
         if attention_mask is not None:
             if attention_mask.ndim != 2 or tuple(attention_mask.shape) != (batch, local):
                 raise ValueError(f"parallelize_model: attention_mask of shape {tuple(attention_mask.shape)} "
@@ -173,14 +194,11 @@ class CPAttention:
             return None
         return {"document_ids": start.cumsum(-1)}
 
-    def _check_window(self, total):
-        config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
-        window = getattr(config, "sliding_window", None)
-        used = getattr(config, "use_sliding_window", True)
-        layer_types = getattr(config, "layer_types", None) or ()
-        if window and used and (not layer_types or "sliding_attention" in layer_types) and total > window:
-            raise ValueError(f"parallelize_model: sliding-window attention (window {window} < sequence "
-                             f"{total}) is not supported under context parallelism")
+
+def _token_local_attention(query, value):
+    """The audit's stand-in: each query token gets its own value (heads repeated for GQA), BSHD."""
+    repeat = query.shape[1] // value.shape[1]
+    return value.repeat_interleave(repeat, dim=1).transpose(1, 2)
 
 
 def _own_config(model):
@@ -193,7 +211,9 @@ def _own_config(model):
             module.config = new
 
 
-def apply_context_parallel(model, cp_mesh, cp_kwargs):
+def prepare_context_parallel(model, cp_mesh, cp_kwargs):
+    """Switch the model's attention to the CP attention function and audit the model (before any
+    tensor parallelism, so that the audit's runs need no collective). Returns the state."""
     from transformers import AttentionInterface
 
     _own_config(model)
@@ -204,10 +224,19 @@ def apply_context_parallel(model, cp_mesh, cp_kwargs):
         raise ValueError(f"parallelize_model: {type(model).__name__} does not accept a custom attention "
                          f"implementation (transformers' AttentionInterface), so context parallelism cannot "
                          f"be applied")
+    if any(p.is_meta for p in model.parameters()):
+        state.audit_pending = True   # no values to run yet: audited at the first forward
+    else:
+        state.audit()
+    return state
+
+
+def apply_context_parallel(model, state, cp_kwargs):
+    """The per-forward hooks (global masks and positions) and, with ``overlap``, the pipelined blocks."""
     base = model.base_model
     base.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
     base.register_forward_hook(state.post_forward, with_kwargs=True)
     model._hp_cp_attention = state
     if cp_kwargs.get("overlap"):   # q/k/v projections overlap the collectives too (hf_overlap.py)
-        pipeline_attention_blocks(model, state, cp_kwargs, cp_mesh.size())
+        pipeline_attention_blocks(model, state, cp_kwargs, state.mesh.size())
     return model

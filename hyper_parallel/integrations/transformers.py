@@ -9,7 +9,7 @@ from an attention function registered with transformers' ``AttentionInterface``
 (hf_context_parallel.py). Gradients still need ``data_parallel`` over the data and context
 parallel ranks (``mesh["dp", "cp"].flatten()``): see docs/training.md.
 """
-from hyper_parallel.integrations.hf_context_parallel import apply_context_parallel
+from hyper_parallel.integrations.hf_context_parallel import apply_context_parallel, prepare_context_parallel
 from hyper_parallel.integrations.hf_tensor_parallel import apply_tensor_parallel, translate_plan
 
 __all__ = ["parallelize_model", "translate_plan"]
@@ -45,9 +45,11 @@ def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", **context_paralle
     if context_parallel_kwargs and cp_mesh is None:
         raise ValueError(f"parallelize_model: context-parallel options {sorted(context_parallel_kwargs)} "
                          f"given but the mesh has no {cp!r} dim")
+    # context parallelism first: its audit runs the plain model (no tensor-parallel collectives)
+    state = prepare_context_parallel(model, cp_mesh, context_parallel_kwargs) if cp_mesh is not None else None
     if tp_mesh is not None:
         apply_tensor_parallel(model, tp_mesh)
-    if cp_mesh is not None:
-        apply_context_parallel(model, cp_mesh, context_parallel_kwargs)
+    if state is not None:
+        apply_context_parallel(model, state, context_parallel_kwargs)
     model._hp_parallelized = True
     return model

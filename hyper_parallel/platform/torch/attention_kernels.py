@@ -20,18 +20,38 @@ def _additive(mask, like):
     return torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill(~mask, float("-inf"))
 
 
+def _cpu_flash(q):
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _pad_dim(t, size):
+    """Zero columns on the head dim: they add nothing to q·k nor to p·v, so padding q/k or v to one
+    head size is exact (MLA's v head dim differs from q/k's; the fused kernels take one size)."""
+    return t if t.shape[-1] == size else torch.nn.functional.pad(t, (0, size - t.shape[-1]))
+
+
+def _cut(t, size):
+    return t if t.shape[-1] == size else t[..., :size].contiguous()
+
+
 def block_forward(q, k, v, causal, scale, mask=None):
-    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
-                                                                 attn_mask=_additive(mask, q), scale=scale)
-    return _math_forward(q, k, v, causal, scale, mask)
+    if not _cpu_flash(q):
+        return _math_forward(q, k, v, causal, scale, mask)
+    size, scale = max(q.shape[-1], v.shape[-1]), q.shape[-1] ** -0.5 if scale is None else scale
+    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+        _pad_dim(q, size), _pad_dim(k, size), _pad_dim(v, size), 0.0, causal, attn_mask=_additive(mask, q),
+        scale=scale)
+    return _cut(out, v.shape[-1]), lse
 
 
 def block_backward(grad_out, q, k, v, out, lse, causal, scale, mask=None):
-    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.contiguous(), q, k, v, out, lse, 0.0, causal, attn_mask=_additive(mask, q), scale=scale)
-    return _math_backward(grad_out, q, k, v, out, lse, causal, scale, mask)
+    if not _cpu_flash(q):
+        return _math_backward(grad_out, q, k, v, out, lse, causal, scale, mask)
+    size, scale = max(q.shape[-1], v.shape[-1]), q.shape[-1] ** -0.5 if scale is None else scale
+    dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        _pad_dim(grad_out.contiguous(), size), _pad_dim(q, size), _pad_dim(k, size), _pad_dim(v, size),
+        _pad_dim(out, size), lse, 0.0, causal, attn_mask=_additive(mask, q), scale=scale)
+    return _cut(dq, q.shape[-1]), _cut(dk, k.shape[-1]), _cut(dv, v.shape[-1])
 
 
 def _acc(t):

@@ -1,0 +1,151 @@
+"""parallelize_model across Hugging Face families: each trains equal to one process under context
+parallelism (two AdamW steps: per-step loss, every weight) or is refused with a ValueError on every
+rank before any step — never a different model in silence. Families whose attention variant or
+sequence mixing is not split yet (soft-capping, sinks, linear attention, DSA) must be refused; a
+convolution over the sequence that nobody listed is found by measurement, and a kernel-1 one (token-
+local) is not refused."""
+import pytest
+
+from tests.harness import run_dist
+
+pytest.importorskip("transformers")
+
+B, S = 2, 16
+
+
+def _conv_model(kernel):
+    """A Llama whose first MLP sees a depthwise convolution over the sequence first."""
+    import torch
+    from tests.hf_zoo import tiny
+
+    class ConvThenMLP(torch.nn.Module):
+        def __init__(self, mlp, hidden):
+            super().__init__()
+            self.mlp = mlp
+            self.conv = torch.nn.Conv1d(hidden, hidden, kernel, padding=kernel - 1, groups=hidden)
+
+        def forward(self, x):
+            mixed = self.conv(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
+            return self.mlp(mixed)
+
+    model = tiny("llama")
+    layer = model.model.layers[0]
+    layer.mlp = ConvThenMLP(layer.mlp, model.config.hidden_size)
+    return model
+
+
+def _refused(rank, world_size):
+    from hyper_parallel import init_device_mesh
+    from hyper_parallel.integrations.transformers import parallelize_model
+    from tests.hf_zoo import tiny
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    expected = {
+        "gemma2": "softcap=50.0", "gpt_oss": "s_aux=", "qwen3_next": r"linear_attn \(Qwen3NextGatedDeltaNet",
+        "qwen3_5": "Qwen3_5GatedDeltaNet", "kimi_linear": "KimiLinearDeltaAttention",
+        "deepseek_v32": "does not run with context-parallel attention",
+    }
+    for family, match in expected.items():
+        with pytest.raises(ValueError, match=match):
+            parallelize_model(tiny(family), mesh)
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp \(ConvThenMLP: a convolution"):
+        parallelize_model(_conv_model(3), mesh)
+    parallelize_model(_conv_model(1), mesh)   # a kernel-1 convolution is token-local
+    return True
+
+
+def test_unsplittable_families_are_refused_on_every_rank():
+    assert run_dist(2, _refused) == [True] * 2
+
+
+def _window(rank, world_size):
+    import torch
+    from hyper_parallel import init_device_mesh
+    from hyper_parallel.integrations.transformers import parallelize_model
+    from tests.hf_zoo import VOCAB, tiny
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    model = parallelize_model(tiny("mistral", sliding_window=8), mesh)
+    with pytest.raises(ValueError, match="sliding_window=8"):
+        model(input_ids=torch.randint(0, VOCAB, (B, S // world_size)))
+    return True
+
+
+def test_sliding_window_shorter_than_sequence_is_refused():
+    assert run_dist(2, _window) == [True] * 2
+
+
+def _train(model, batches, cp_mesh=None):
+    """Two AdamW steps; the per-step losses (each rank's share of the global mean under CP)."""
+    import torch
+    import torch.nn.functional as F
+    from hyper_parallel import data_parallel, shard_sequence
+
+    if cp_mesh is not None:
+        data_parallel(model, cp_mesh, average=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    losses = []
+    for ids, labels in batches:
+        count = (labels != -100).sum()
+        if cp_mesh is not None:
+            ids, labels = shard_sequence([ids, labels], cp_mesh)
+        logits = model(input_ids=ids).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / count
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def _batches():
+    import torch
+    from tests.hf_zoo import VOCAB
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(2):
+        ids = torch.randint(0, VOCAB, (B, S), generator=g)
+        out.append((ids, torch.cat([ids[:, 1:], torch.full((B, 1), -100)], 1)))
+    return out
+
+
+MODES = {"ulysses": {}, "allgather": {"ulysses_degree": 1},
+         "allgather-lb": {"ulysses_degree": 1, "load_balance": True},
+         "ring": {"ulysses_degree": 1, "kv_exchange": "ring"}}
+
+
+def _exact(rank, world_size, family, overrides, modes):
+    import torch
+    from hyper_parallel import get_platform, init_device_mesh
+    from hyper_parallel.integrations.transformers import parallelize_model
+    from tests.hf_zoo import tiny
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    reference = tiny(family, **overrides)
+    ref_losses = _train(reference, _batches())
+    for mode in modes:
+        model = parallelize_model(tiny(family, **overrides), mesh, **MODES[mode])
+        losses = _train(model, _batches(), mesh)
+        for step, (loss, ref) in enumerate(zip(losses, ref_losses)):
+            total = get_platform().all_reduce(loss, mesh.get_group())
+            torch.testing.assert_close(total, ref, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"{family} {mode} step {step} loss: {m}")
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"{family} {mode} {name}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("family,overrides,modes", [
+    ("qwen2", {}, ["ulysses", "ring"]),
+    ("qwen3", {}, ["allgather-lb"]),
+    ("mistral", {"sliding_window": S}, ["ulysses", "allgather"]),
+    ("gemma3", {"sliding_window": S}, ["ulysses", "allgather-lb"]),
+    ("gemma2", {"attn_logit_softcapping": None}, ["allgather"]),
+    ("phi3", {}, ["ulysses", "allgather"]),
+    ("gpt_neox", {}, ["ulysses", "ring"]),
+    ("gpt2", {}, ["allgather"]),
+    ("deepseek_v3", {}, ["ulysses", "allgather-lb", "ring"]),
+])
+def test_family_trains_like_one_process(family, overrides, modes):
+    assert run_dist(2, _exact, family, overrides, modes) == [True] * 2
