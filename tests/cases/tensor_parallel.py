@@ -34,7 +34,9 @@ def colwise_rowwise(rank, world_size, kind):
         out = mlp(t(x))
     assert fw.is_plain_tensor(out), type(out)
     close(out, ref_out, f"{kind} MLP forward")
-    assert comm.get_comm_counts() == {"all_reduce": 1}, comm.get_comm_counts()   # Megatron's g
+    # from_local's one-time "shape_check" (first call of a signature in the process) aside
+    data = {op: n for op, n in comm.get_comm_counts().items() if op != "shape_check"}
+    assert data == {"all_reduce": 1}, comm.get_comm_counts()   # Megatron's g
     dx, grads = fw.grads_then_sgd(mlp, loss_of(mlp), t(x), lr=0.1)
     close(dx, ref_dx, f"{kind} MLP d input")
     n, r = world_size, rank

@@ -3,7 +3,8 @@ import numpy as np
 
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
 from hyper_parallel.core.dtensor.placement_types import Replicate, normalize_placements
-from hyper_parallel.core.dtensor.rank_check import check_same_meta
+from hyper_parallel.core.dtensor.rank_check import (check_replicated_values, check_same_meta, debug_checks,
+                                                    is_meta)
 from hyper_parallel.core.dtensor.spec import DTensorSpec
 from hyper_parallel.platform import get_platform
 
@@ -28,14 +29,29 @@ def _broadcast_from(tensor, mesh, src_index):
     return tensor
 
 
+def _already_distributed(dtensor, mesh, placements):
+    """A DTensor given to distribute_tensor is returned as it is when it already has the requested
+    layout; otherwise PyTorch raises (re-sharding its local piece as if global would be wrong)."""
+    if dtensor.device_mesh != mesh:
+        raise ValueError(f"distribute_tensor: cannot distribute a DTensor on {dtensor.device_mesh} to another "
+                         f"mesh {mesh}; pass the full tensor (dt.full_tensor()) instead")
+    if tuple(dtensor.placements) != tuple(placements):
+        raise ValueError(f"distribute_tensor: cannot distribute a DTensor with placements "
+                         f"{dtensor.placements} to placements {placements}; call "
+                         f"dt.redistribute(mesh, {list(placements)}) instead")
+    return dtensor
+
+
 def distribute_tensor(tensor, device_mesh=None, placements=None, *, src_data_rank=0):
     """Shard or replicate a global ``tensor`` over ``device_mesh``.
 
     With ``src_data_rank`` (a rank within the mesh, i.e. a position in ``mesh.rank_list``, as in
     PyTorch) the data really comes from that rank; with None every rank slices its own (identical)
-    copy and no data is communicated. Either way one small metadata all-reduce first checks that
-    every rank passes the same ndim, dtype and shape (a ValueError on every rank otherwise), so a
-    mismatch never reaches the data collectives. A rank outside ``device_mesh`` gets an empty
+    copy and no data is communicated (with ``HP_DTENSOR_DEBUG=1`` the copies are compared: a
+    ValueError on every rank names the largest difference). Either way one small metadata
+    all-reduce first checks that every rank passes the same ndim, dtype and shape (a ValueError on
+    every rank otherwise), so a mismatch never reaches the data collectives. A meta tensor gives a
+    DTensor of meta pieces (no data moves; ``module.to_empty`` then allocates each rank's piece). A rank outside ``device_mesh`` gets an empty
     local piece and communicates nothing, as in PyTorch. ``device_mesh`` defaults to the mesh of
     the innermost ``with mesh:`` block.
     """
@@ -44,6 +60,8 @@ def distribute_tensor(tensor, device_mesh=None, placements=None, *, src_data_ran
     device_mesh = remember_mesh(resolve_mesh(device_mesh, "distribute_tensor"))
     placements = placements or [Replicate()] * device_mesh.ndim
     placements = normalize_placements(placements, tensor.ndim, device_mesh.ndim)
+    if isinstance(tensor, DTensor):
+        return _already_distributed(tensor, device_mesh, placements)
     if src_data_rank is not None:
         _check_src(src_data_rank, device_mesh)
     requires_grad = getattr(tensor, "requires_grad", False)  # MindSpore tensors have no flag
@@ -56,7 +74,11 @@ def distribute_tensor(tensor, device_mesh=None, placements=None, *, src_data_ran
            ("" if src_data_rank is None else f" (rank {src_data_rank}'s data is sent; the others' tensors "
                                              f"only need its shape and dtype)"))
     check_same_meta(data, device_mesh, "distribute_tensor", fix)
-    if src_data_rank is not None:
+    if src_data_rank is None and debug_checks():
+        # every rank slices its own copy: the copies must be one tensor (HP_DTENSOR_DEBUG)
+        check_replicated_values(data, device_mesh, full.placements)
+    if src_data_rank is not None and not is_meta(data):
+        # a meta tensor has no data to send: each rank's meta piece is already right
         data = _broadcast_from(data, device_mesh, src_data_rank)
     local = as_layout(DTensor._make(data, full), full.with_placements(placements))._local_tensor
     out = DTensor._make(local.contiguous(), full.with_placements(placements), requires_grad=requires_grad)

@@ -77,24 +77,35 @@ class DTensor(get_platform().DTensorBase):
         Without ``shape`` the shards are taken to be even; pass the global ``shape`` for uneven ones.
         ``device_mesh`` defaults to the ``with mesh:`` mesh, ``placements`` to replicated.
         ``grad_placements``: the layout in which ``local_tensor``'s gradient is taken from the
-        DTensor's gradient (default: this DTensor's placements, a Partial one replicated)."""
+        DTensor's gradient (default: this DTensor's placements, a Partial one replicated).
+
+        Ranks that disagree (ndim, dtype, placements, uneven pieces without ``shape``) get the same
+        ValueError on every rank before any collective that depends on it: the check runs on the
+        first call of each signature, on every call with ``run_check=True`` or ``HP_DTENSOR_DEBUG=1``
+        (rank_check.py). ``run_check=True`` also gives every rank of a Replicate mesh dim the first
+        rank's value, as PyTorch does; debug mode instead raises when Replicate pieces differ."""
+        from hyper_parallel.core.dtensor import rank_check as rc
         from hyper_parallel.core.dtensor.checkpoint import remember_mesh
         from hyper_parallel.core.dtensor.factories import resolve_mesh
         device_mesh = remember_mesh(resolve_mesh(device_mesh, "DTensor.from_local"))
-        placements = normalize_placements(placements or [Replicate()] * device_mesh.ndim, local_tensor.ndim,
-                                          device_mesh.ndim)
-        if shape is None:
-            shape = list(local_tensor.shape)
-            for m, p in enumerate(placements):
-                if p.is_shard():
-                    shape[p.dim] *= device_mesh.size(m)
-        spec = DTensorSpec(device_mesh, placements, tuple(int(s) for s in shape))
+        given = placements or [Replicate()] * device_mesh.ndim
+        spec, problem = _local_spec(local_tensor, device_mesh, given, shape)
         if device_mesh.get_coordinate() is None:
+            if problem is not None:
+                raise problem
             # as PyTorch: a rank outside the mesh holds an empty piece and joins no collective
             return DTensor._make(_empty_like(local_tensor), spec,
                                  requires_grad=bool(get_platform().requires_grad(local_tensor)))
+        key = (device_mesh, repr(tuple(given)), None if shape is None else tuple(int(s) for s in shape),
+               tuple(local_tensor.shape), rc.dtype_name(local_tensor.dtype))
+        if run_check or problem is not None or rc.needs_check(key):
+            rc.check_pieces(local_tensor, device_mesh, given, spec, shape is not None, problem,
+                            "DTensor.from_local(run_check=True)" if run_check else "DTensor.from_local")
+            if rc.debug_checks():
+                rc.check_replicated_values(local_tensor, device_mesh, spec.placements)
+            rc.mark_verified(key)
         if run_check:
-            _check_local_shapes(local_tensor, spec)
+            local_tensor = rc.broadcast_replicated(local_tensor, device_mesh, spec.placements)
         grad_spec = None if grad_placements is None else spec.with_placements(
             normalize_placements(grad_placements, len(spec.shape), device_mesh.ndim))
         return _from_local(local_tensor, spec, grad_spec=grad_spec)
@@ -105,14 +116,20 @@ class DTensor(get_platform().DTensorBase):
             normalize_placements(grad_placements, self.ndim, self._spec.mesh.ndim))
         return _to_local(self, spec)
 
-    def redistribute(self, device_mesh=None, placements=None, *, async_op=False):
-        """This tensor in another layout on the same mesh (differentiable)."""
+    def redistribute(self, device_mesh=None, placements=None, *, async_op=False, forward_dtype=None,
+                     backward_dtype=None):
+        """This tensor in another layout on the same mesh (differentiable). ``forward_dtype``: cast
+        the shard before the collective (the result has that dtype); ``backward_dtype``: the dtype of
+        the backward collective (the input's gradient keeps the input's dtype), as PyTorch."""
         if device_mesh is not None and device_mesh != self._spec.mesh:
             raise ValueError(f"redistribute across meshes ({self._spec.mesh} -> {device_mesh}) is not "
                              f"supported; use the DTensor's own mesh")
         if placements is None:
             raise ValueError("redistribute needs placements, e.g. [Replicate()]")
         placements = normalize_placements(placements, self.ndim, self._spec.mesh.ndim)
+        if forward_dtype is not None or backward_dtype is not None:
+            from hyper_parallel.core.dtensor.redistribute_cast import redistribute_cast
+            return redistribute_cast(self, placements, forward_dtype, backward_dtype)
         if placements == self._spec.placements:
             return self
         return _redistribute(self, placements)
@@ -264,23 +281,20 @@ def _empty_like(local):
     return get_platform().empty((0,), dtype=local.dtype, device=getattr(local, "device", None))
 
 
-def _check_local_shapes(local_tensor, spec):
-    """``run_check``: every rank's piece has the ndim, dtype and shape the layout gives it, and all
-    ranks agree on the global shape. One fixed-length message whatever the ndim (rank_check.py),
-    so a rank with another ndim gets the same ValueError as the rest instead of a gloo abort."""
-    from hyper_parallel.core.dtensor import rank_check as rc
-    fits = 1 if tuple(local_tensor.shape) == spec.local_shape else 0
-    mine = [fits, len(local_tensor.shape), rc.dtype_code(local_tensor.dtype)] + rc.shape_fields(spec.shape)
-    names = ["local piece fits the layout (1 = yes)", "ndim", "dtype"] + rc.meta_field_names("global ")[2:]
-    mins, maxs = rc.mesh_min_max(spec.mesh, mine, getattr(local_tensor, "device", None))
-    if mins == maxs and fits:
-        return
-    raise ValueError(f"from_local(run_check=True): the local pieces do not form one {list(spec.shape)} "
-                     f"tensor laid out as {spec.placements} on {spec.mesh} "
-                     f"({rc.describe_disagreement(names, mins, maxs) or 'pieces do not fit'}); rank "
-                     f"{get_platform().get_rank()} has {rc.dtype_name(local_tensor.dtype)} "
-                     f"{tuple(local_tensor.shape)}, expected {spec.local_shape}. Pass tensors of one ndim "
-                     f"and dtype on every rank, and the same shape= on every rank for uneven shards")
+def _local_spec(local_tensor, mesh, placements, shape):
+    """(spec, None), or (None, the ValueError) when the placements do not fit this rank's tensor
+    (a Shard dim beyond its ndim): a rank-dependent error is raised only after the cross-rank check,
+    so that every rank raises it."""
+    try:
+        placements = normalize_placements(placements, len(local_tensor.shape), mesh.ndim)
+    except ValueError as exc:
+        return None, exc
+    if shape is None:
+        shape = list(local_tensor.shape)
+        for m, p in enumerate(placements):
+            if p.is_shard():
+                shape[p.dim] *= mesh.size(m)
+    return DTensorSpec(mesh, placements, tuple(int(s) for s in shape)), None
 
 
 __all__ = ["DTensor", "as_layout"]

@@ -20,6 +20,7 @@ The styles mirror PyTorch's ``torch.distributed.tensor.parallel`` styles, so pla
 Prepare* styles live in ``prepare.py`` and are re-exported here.
 """
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
+from hyper_parallel.core.dtensor.rank_check import describing
 from hyper_parallel.core.tensor_parallel.base import (ParallelStyle, _check_mesh, _one_layout, check_tp_mesh,
                                                       from_dtensor, map_outputs, replicate_parameters,
                                                       shard_parameters, to_dtensor)
@@ -75,7 +76,7 @@ class ColwiseParallel(ParallelStyle):
         else:
             shard_parameters(module, device_mesh, {_embedding_weight(module): Shard(1)}, self.src_data_rank)
         _install_io_hooks(module, device_mesh, self.input_layouts, Replicate(), self.output_layouts,
-                          self.use_local_output, _in_features(module, kind))
+                          self.use_local_output, _in_features(module, kind), type(self).__name__)
         return module
 
 
@@ -105,7 +106,7 @@ class RowwiseParallel(ParallelStyle):
             shard_parameters(module, device_mesh, {_embedding_weight(module): Shard(0)}, self.src_data_rank)
             input_layout, desired = self.input_layouts or Replicate(), Replicate()
         _install_io_hooks(module, device_mesh, input_layout, desired, self.output_layouts,
-                          self.use_local_output, _in_features(module, kind))
+                          self.use_local_output, _in_features(module, kind), type(self).__name__)
         return module
 
 
@@ -118,14 +119,16 @@ def _in_features(module, kind):
 
 
 def _install_io_hooks(module, mesh, input_layout, desired_input, output_layout, use_local_output,
-                      feature_size=None):
+                      feature_size=None, style_name="tensor parallelism"):
     platform = get_platform()
 
     def pre_hook(mod, args):
         if not args:
             raise ValueError(f"{type(mod).__name__} under tensor parallelism expects its input "
                              f"positionally")
-        return (to_dtensor(args[0], mesh, input_layout, desired_input, feature_size),) + tuple(args[1:])
+        # the cross-rank checks of from_local (rank_check.py) name the module they stopped
+        with describing(f"{style_name} input ({input_layout}) of {type(mod).__name__}"):
+            return (to_dtensor(args[0], mesh, input_layout, desired_input, feature_size),) + tuple(args[1:])
 
     def post_hook(mod, args, output):
         return from_dtensor(output, mesh, output_layout, use_local_output)
@@ -155,7 +158,14 @@ class SequenceParallel(ParallelStyle):
         layout = Shard(self.sequence_dim)
 
         def pre_hook(mod, args):
-            return tuple(to_dtensor(a, device_mesh, layout, layout) for a in args)
+            # each rank's chunk must be an equal share: from_local's cross-rank check (first call of a
+            # shape, every call under HP_DTENSOR_DEBUG=1) raises on every rank otherwise, before the
+            # uneven chunks reach a collective
+            with describing(f"SequenceParallel(sequence_dim={self.sequence_dim}) input of "
+                            f"{type(mod).__name__}",
+                            f"Every rank must pass an equal chunk of the sequence: pad the sequence to a "
+                            f"multiple of the tensor-parallel size {device_mesh.size()}"):
+                return tuple(to_dtensor(a, device_mesh, layout, layout) for a in args)
 
         def post_hook(mod, args, output):
             if not self.use_local_output:
@@ -187,7 +197,8 @@ class NoParallel(ParallelStyle):
         def pre_hook(mod, args):
             if not args:
                 return args
-            return (to_dtensor(args[0], device_mesh, self.input_layout, Replicate()),) + tuple(args[1:])
+            with describing(f"NoParallel input of {type(mod).__name__}"):
+                return (to_dtensor(args[0], device_mesh, self.input_layout, Replicate()),) + tuple(args[1:])
 
         def post_hook(mod, args, output):
             return map_outputs(output, lambda o: from_dtensor(o, device_mesh, self.output_layout,
