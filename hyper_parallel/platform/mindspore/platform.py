@@ -10,6 +10,7 @@ shape inference for that table in ``meta.py`` and the attention kernels in ``att
 """
 import os
 import resource
+import types
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from mindspore.communication import GlobalComm, get_rank, init
 from hyper_parallel.platform.base import Platform
 from hyper_parallel.platform.mindspore import attention as attention_kernels
 from hyper_parallel.platform.mindspore import autograd as ag
+from hyper_parallel.platform.mindspore import compile_guard
 from hyper_parallel.platform.mindspore import meta
 from hyper_parallel.platform.mindspore.collectives import Collectives
 from hyper_parallel.platform.mindspore.groups import MsGroup
@@ -232,18 +234,26 @@ class MindSporePlatform(MindSporeTrainingSupport, Platform):  # training.py: fac
         ms.set_seed(int(seed))
 
     # ---------------------------------------------------------------- modules and hooks
+    # a Cell whose calls hyper_parallel routes is marked: compilers refuse it (compile_guard.py)
     def register_forward_pre_hook(self, module, hook, with_kwargs=False):
+        compile_guard.mark(module)
         return module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
 
     def register_forward_hook(self, module, hook, with_kwargs=False):
+        compile_guard.mark(module)
         return module.register_forward_hook(hook, with_kwargs=with_kwargs)
 
     @staticmethod
     def replace_forward(module, make_wrapper):
         """Route ``module``'s calls through ``make_wrapper(original_construct)``; returns a function
-        that restores the original."""
+        that restores the original. The replacement is a bound method, as ``construct`` is:
+        ``ms.jit(cell)`` reads ``cell.construct.__func__`` (a plain function gave an AttributeError
+        instead of the compile guard's error)."""
         original = module.construct
-        object.__setattr__(module, "construct", make_wrapper(original))
+        wrapper = make_wrapper(original)
+        compile_guard.mark(module)
+        object.__setattr__(module, "construct", types.MethodType(
+            lambda _self, *args, **kwargs: wrapper(*args, **kwargs), module))
 
         def restore():
             object.__delattr__(module, "construct")

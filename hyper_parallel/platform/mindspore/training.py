@@ -10,23 +10,13 @@ MindSpore hands gradients to the training step as one tuple, in the optimizer's 
 through per-parameter hooks as torch does; so data parallelism here replaces that ``grad_reducer``
 Cell instead of hooking backward.
 """
-import functools
-import os
-
 import numpy as np
 
 import mindspore as ms
 from mindspore import mint, ops
 
-GRAPH_MODE_MESSAGE = ("hyper_parallel on MindSpore runs in PyNative mode only (its DTensor dispatch is "
-                      "Python, which GRAPH_MODE and ms.jit compile away): call "
-                      "ms.set_context(mode=ms.PYNATIVE_MODE) and do not wrap parallelized Cells in ms.jit")
-
-
-def check_pynative(who):
-    """Raise the hyper_parallel error naming GRAPH_MODE and the fix when not in PyNative mode."""
-    if ms.get_context("mode") != ms.PYNATIVE_MODE:
-        raise RuntimeError(f"{who}: MindSpore is in GRAPH_MODE. {GRAPH_MODE_MESSAGE}")
+from hyper_parallel.platform.mindspore import compile_guard, reflected_ops
+from hyper_parallel.platform.mindspore.compile_guard import GRAPH_MODE_MESSAGE, check_pynative
 
 
 class _GradReducerCell(ms.nn.Cell):
@@ -38,39 +28,6 @@ class _GradReducerCell(ms.nn.Cell):
 
     def construct(self, grads):
         return self._reduce_fn(grads)
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
-
-
-def _rephrased(compile_fn):
-    """``compile_fn`` (MindSpore's graph compilation) with parse errors raised inside
-    hyper_parallel's code (MindSpore's message then lists our files) turned into hyper_parallel's
-    error; every other error passes unchanged."""
-    @functools.wraps(compile_fn)
-    def compile_(*args, **kwargs):
-        try:
-            return compile_fn(*args, **kwargs)
-        except (RuntimeError, TypeError) as exc:
-            if _PACKAGE_DIR not in str(exc):
-                raise
-            first = str(exc).strip().split("\n")[0]
-            raise RuntimeError(f"MindSpore compiled hyper_parallel's code in GRAPH_MODE or under ms.jit "
-                               f"({first}). {GRAPH_MODE_MESSAGE}") from exc
-    compile_._hp_rephrased = True
-    return compile_
-
-
-def install_graph_compile_errors():
-    """Once per process: the compilers of GRAPH_MODE Cells and of ``ms.jit`` functions raise the
-    hyper_parallel error when what they parse reaches a parallelized Cell's hooks."""
-    try:  # MindSpore 2.10; earlier releases kept it in mindspore.common.api
-        from mindspore.graph.api import _JitExecutor
-    except ImportError:
-        from mindspore.common.api import _JitExecutor
-    for owner in (ms.nn.Cell, _JitExecutor):
-        if not getattr(owner.compile, "_hp_rephrased", False):
-            owner.compile = _rephrased(owner.compile)
 
 
 def _graph_mode_refusal(who):
@@ -94,7 +51,8 @@ class MindSporeTrainingSupport:
 
     def __init__(self):
         super().__init__()
-        install_graph_compile_errors()
+        compile_guard.install()
+        reflected_ops.install()
 
     @staticmethod
     def check_execution_mode(who):

@@ -1,0 +1,119 @@
+"""MindSpore compiler edges against one process (tests/test_mindspore_compiler.py): a plain Tensor or
+Parameter on the left of a Python operator with a DTensor on the right, every jit entry point
+(ast, bytecode, trace, GRAPH_MODE) given DTensors or parallelized Cells, ms.vjp of DTensor outputs.
+
+Imported by MindSpore workers only (no torch, no pytest); results are plain Python values.
+"""
+import numpy as np
+
+from tests.frameworks import close, expect_error, inp
+
+# operator -> numpy reference; the float ones are also differentiated
+FLOAT_OPS = {"+": np.add, "-": np.subtract, "*": np.multiply, "/": np.divide, "**": np.power,
+             "%": lambda a, b: np.mod(a, b)}
+INT_OPS = {"&": np.bitwise_and, "|": np.bitwise_or, "^": np.bitwise_xor}
+ROWS, COLS = 4, 6
+
+
+def _apply(symbol, a, b):
+    return {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a / b,
+            "**": lambda: a ** b, "%": lambda: a % b, "&": lambda: a & b, "|": lambda: a | b,
+            "^": lambda: a ^ b, "@": lambda: a @ b, "//": lambda: a // b, "<": lambda: a < b,
+            ">=": lambda: a >= b, "==": lambda: a == b}[symbol]()
+
+
+def _inputs():
+    # positive bases and divisors keep ** and / finite; one process sees the same arrays
+    x = np.abs(inp("refl_x", 0, (ROWS, COLS))) + 0.5
+    y = np.abs(inp("refl_y", 0, (ROWS, COLS))) + 0.5
+    return x, y
+
+
+def _placements():
+    from hyper_parallel import Replicate, Shard
+    return {"S(0)": [Shard(0)], "S(1)": [Shard(1)], "R": [Replicate()]}
+
+
+def tensor_left_operators(rank, world_size):
+    """``x OP d`` for a plain Tensor and a Parameter x: values and gradients equal one process."""
+    import mindspore as ms
+    from hyper_parallel import distribute_tensor, init_device_mesh
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    x, y = _inputs()
+    checked = []
+    for pname, placements in _placements().items():
+        d = distribute_tensor(ms.Tensor(y), mesh, placements)
+        for left in ("Tensor", "Parameter"):
+            xt = ms.Tensor(x) if left == "Tensor" else ms.Parameter(ms.Tensor(x), name="w")
+            for symbol in FLOAT_OPS:
+                want = _apply(symbol, ms.Tensor(x), ms.Tensor(y)).asnumpy()
+                close(_apply(symbol, xt, d), want, f"{left} {symbol} DTensor {pname}")
+                checked.append(f"{left}{symbol}{pname}")
+            xi, yi = (np.arange(ROWS * COLS).reshape(ROWS, COLS) * k % 7 for k in (3, 5))
+            di = distribute_tensor(ms.Tensor(yi.astype(np.int32)), mesh, placements)
+            for symbol, ref in INT_OPS.items():
+                close(_apply(symbol, ms.Tensor(xi.astype(np.int32)), di), ref(xi, yi).astype(np.int32),
+                      f"int Tensor {symbol} DTensor {pname}")
+        # operators that already found the DTensor stay right
+        for symbol in ("@", "//", "<", ">=", "=="):
+            b = ms.Tensor(y.T) if symbol == "@" else ms.Tensor(y)
+            db = distribute_tensor(b, mesh, placements)
+            close(_apply(symbol, ms.Tensor(x), db), _apply(symbol, ms.Tensor(x), b).asnumpy(),
+                  f"Tensor {symbol} DTensor {pname}")
+    _functional_and_inplace(mesh, x, y)
+    return len(checked)
+
+
+def _functional_and_inplace(mesh, x, y):
+    import mindspore as ms
+    from mindspore import ops
+    from hyper_parallel import Shard, distribute_tensor
+    d = distribute_tensor(ms.Tensor(y), mesh, [Shard(0)])
+    # MindSpore functions written with Python operators (input - floordiv(...) * other)
+    for name in ("remainder", "fmod"):
+        fn = getattr(ops, name)
+        close(fn(ms.Tensor(x), d), fn(ms.Tensor(x), ms.Tensor(y)).asnumpy(), f"ops.{name}(Tensor, DTensor)")
+    for symbol in ("+=", "-=", "*=", "/="):
+        def inplace():
+            xt = ms.Tensor(x)
+            exec(f"xt {symbol} d", {}, {"xt": xt, "d": d})   # noqa: S102 -- every augmented operator
+        expect_error(NotImplementedError, inplace, symbol, "x = x")
+    expect_error(NotImplementedError, lambda: d.__iadd__(ms.Tensor(x)), "in-place")
+
+
+def tensor_left_gradients(rank, world_size):
+    """d/dx and d/dy of sum(x OP y) with x plain and y a DTensor from this rank's piece: one process's."""
+    import mindspore as ms
+    from hyper_parallel import DTensor, Shard, init_device_mesh
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    x, y = _inputs()
+    piece = np.split(y, world_size, 0)[rank]
+    for symbol in FLOAT_OPS:
+        def dist(a, local):
+            return _apply(symbol, a, DTensor.from_local(local, mesh, [Shard(0)])).sum()
+
+        def single(a, b):
+            return _apply(symbol, a, b).sum()
+        gx, gy = ms.grad(dist, grad_position=(0, 1))(ms.Tensor(x), ms.Tensor(piece))
+        rx, ry = ms.grad(single, grad_position=(0, 1))(ms.Tensor(x), ms.Tensor(y))
+        close(gx, rx.asnumpy(), f"d x of x {symbol} d")
+        close(gy, np.split(ry.asnumpy(), world_size, 0)[rank], f"d d of x {symbol} d")
+    return True
+
+
+def residual_block(rank, world_size):
+    """``x + mlp(x)`` with a TP MLP whose output stays a DTensor: forward and gradients."""
+    import mindspore as ms
+    from hyper_parallel import ColwiseParallel, RowwiseParallel, init_device_mesh, parallelize_module
+    from tests.mindspore.cases_training import E, _mlp
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    ref, arrays = _mlp()
+    net = parallelize_module(_mlp(arrays)[0], mesh, {"w1": ColwiseParallel(),
+                                                     "w2": RowwiseParallel(use_local_output=False)})
+    x = ms.Tensor(inp("resid", 0, (2, E)))
+    out = x + net(x)
+    close(out, (x + ref(x)).asnumpy(), "x + sublayer(x)")
+    g = ms.grad(lambda a: (a + net(a)).sum(), grad_position=0)(x)
+    g_ref = ms.grad(lambda a: (a + ref(a)).sum(), grad_position=0)(x)
+    close(g, g_ref.asnumpy(), "d x of x + sublayer(x)")
+    return True
