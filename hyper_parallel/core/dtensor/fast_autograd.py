@@ -41,7 +41,7 @@ def _from_local_forward(ctx, local, spec, passthrough):
     ctx.passthrough = passthrough
     ctx.grad_spec = None
     view = local.view_as(local)
-    if _new is None:
+    if _new is None or not view.is_contiguous():  # strided: __new__ gives the global strides
         return _make(view, spec)
     obj = _new(DTensor, spec.shape, dtype=view.dtype, device=view.device)
     obj._local_tensor = view

@@ -121,7 +121,7 @@ def dispatch(name, func, args, kwargs, hit_only=False):
         if (a.requires_grad or (kind is DTensor and b.requires_grad)) and _tracking():
             return _run_differentiable(entry, name, func, args, None)
         out = func(la, lb)
-    if _new is None:
+    if _new is None or not out.is_contiguous():  # a strided shard: __new__ gives the global strides
         return _make(out, entry.out_spec)
     obj = _new(DTensor, entry.shape, dtype=out.dtype, device=out.device)
     obj._local_tensor = out
@@ -175,6 +175,8 @@ def _key_kwargs(kwargs, append):
 
 
 def _wrap(out, entry):
+    if not out.is_contiguous():  # a strided shard (a transpose...): __new__ gives the global strides
+        return _make(out, entry.out_spec)
     obj = _new(DTensor, entry.shape, dtype=out.dtype, device=out.device)
     obj._local_tensor = out
     obj._spec = entry.out_spec

@@ -86,10 +86,21 @@ def _run_step(step, local, mesh):
         start, length = step.sizes
         return _narrow(local, step.dim, start, length).contiguous()
     if step.kind == "to_partial":
-        if step.op == "sum" and me != 0:
-            return platform.zeros_like(local)
-        return local
+        return _partition(local, step.op, me, n)
     raise AssertionError(step.kind)
+
+
+def _partition(local, op, me, n):
+    """Replicate -> Partial(op) on one mesh dim of ``n`` ranks, as PyTorch's ``Partial`` does it:
+    a sum is split into equal shares ``v / n`` on every rank (so each rank's piece has the scale of
+    its share, and work done on it is balanced); avg, max and min keep ``v`` (exact). Integer and
+    bool values cannot be divided exactly: they keep ``v`` on the first rank and zeros elsewhere."""
+    if op != "sum":
+        return local
+    platform = get_platform()
+    if platform.is_floating_point(local):
+        return local / n
+    return local if me == 0 else platform.zeros_like(local)
 
 
 def redistribute_local(local, mesh, shape, src, dst):

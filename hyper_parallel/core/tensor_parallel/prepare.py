@@ -42,11 +42,14 @@ class PrepareModuleInput(ParallelStyle):
 
     def prepare(self, args, kwargs, mesh):
         if self.input_layouts is not None:
-            if len(args) < len(self.input_layouts):
-                raise ValueError(f"PrepareModuleInput has {len(self.input_layouts)} input_layouts but the "
-                                 f"module got {len(args)} positional inputs")
-            args = tuple(self._convert(a, mesh, self.input_layouts[i], self.desired_input_layouts[i])
-                         if i < len(self.input_layouts) else a for i, a in enumerate(args))
+            # more inputs than layouts is an error too (as PyTorch): an input without a layout
+            # would silently reach a sharded module as a local tensor taken for a replicated one
+            if len(args) != len(self.input_layouts):
+                raise ValueError(f"PrepareModuleInput has {len(self.input_layouts)} input_layouts "
+                                 f"{self.input_layouts} but the module got {len(args)} positional inputs; "
+                                 f"give one layout per positional input (None leaves an input as it is)")
+            args = tuple(self._convert(a, mesh, have, want)
+                         for a, have, want in zip(args, self.input_layouts, self.desired_input_layouts))
         if self.input_kwarg_layouts:
             kwargs = dict(kwargs)
             for name, have in self.input_kwarg_layouts.items():

@@ -32,6 +32,22 @@ def _contiguous_strides(shape):
     return tuple(reversed(strides))
 
 
+def _global_strides(local, shape):
+    """The wrapper's strides: those of a dense global tensor whose dims are laid out in the order of
+    the shard's (a transposed / permuted shard gives the strides torch gives the transposed full
+    tensor, so ``stride()`` and ``is_contiguous()`` agree with it). A contiguous shard, the common
+    case, gives contiguous strides without sorting."""
+    if local.is_contiguous() or len(shape) != local.dim():
+        return _contiguous_strides(shape)
+    stride = local.stride()
+    order = sorted(range(len(shape)), key=lambda d: stride[d], reverse=True)  # stable: ties keep dim order
+    out, acc = [0] * len(shape), 1
+    for d in reversed(order):
+        out[d] = acc
+        acc *= max(shape[d], 1)
+    return tuple(out)
+
+
 _TORCH_FUNCTION_ON = torch._C._is_torch_function_enabled
 _TORCH_FUNCTION_MODE = torch._C._is_torch_function_mode_enabled
 _SET_TORCH_FUNCTION = torch._C._set_torch_function_state
@@ -90,7 +106,7 @@ class TorchDTensorBase(torch.Tensor):
                                       f"dt.to_local()) instead")
         shape = tuple(global_shape)
         return torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=_contiguous_strides(shape), dtype=local_tensor.dtype,
+            cls, shape, strides=_global_strides(local_tensor, shape), dtype=local_tensor.dtype,
             device=local_tensor.device, layout=local_tensor.layout, requires_grad=requires_grad)
 
     # ``__new__`` for core's dispatch fast path, called as ``_hp_fast_new(cls, global_shape,

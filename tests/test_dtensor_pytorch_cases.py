@@ -1,0 +1,203 @@
+"""What PyTorch DTensor users expect (issue 23, item 7): PyTorch's own DTensor test cases, ported.
+
+Each case names the PyTorch test it follows (test/distributed/tensor/...). Torch-only: these are
+torch APIs (dtypes of collectives, strides, process groups, ParallelStyles on nn.Modules).
+"""
+import pytest
+
+from tests.harness import run_dist
+
+
+def _mesh(world_size):
+    from hyper_parallel import init_device_mesh
+    return init_device_mesh("cpu", (world_size,))
+
+
+# ---------------------------------------------------------------- redistribute(forward_dtype=, backward_dtype=)
+def _redistribute_dtypes(rank, world_size):
+    """test_redistribute.py test_redistribute_forward_dtype / backward_dtype: the shard is cast
+    before the collective (the bytes moved are bf16's), the result has forward_dtype; the gradient
+    crosses the backward collective in backward_dtype and reaches the input in its own dtype."""
+    import torch
+    from hyper_parallel import CommDebugMode, Replicate, Shard, distribute_tensor
+    mesh = _mesh(world_size)
+    full = torch.randn(8, 6, dtype=torch.float32)
+    dt = distribute_tensor(full, mesh, [Shard(0)]).requires_grad_()
+    with CommDebugMode() as comm:
+        out = dt.redistribute(mesh, [Replicate()], forward_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.placements == (Replicate(),)
+    torch.testing.assert_close(out.to_local(), full.to(torch.bfloat16))
+    sent = comm.get_total_bytes() if hasattr(comm, "get_total_bytes") else None
+    assert sent is None or sent == (world_size - 1) * full[: 8 // world_size].numel() * 2, sent
+    out.to_local().float().sum().backward()
+    assert dt.grad.dtype == torch.float32 and dt.grad.placements == (Shard(0),)
+    torch.testing.assert_close(dt.grad.full_tensor(), torch.ones(8, 6))
+    # backward_dtype: the gradient is rounded to bf16 for the backward collective, then cast back
+    dt2 = distribute_tensor(full, mesh, [Replicate()]).requires_grad_()
+    out2 = dt2.redistribute(mesh, [Shard(0)], backward_dtype=torch.bfloat16)
+    assert out2.dtype == torch.float32
+    weight = torch.full((8, 6), 1.0 + 2 ** -12)   # not representable in bf16
+    (out2 * distribute_tensor(weight, mesh, [Shard(0)])).sum().backward()
+    assert dt2.grad.dtype == torch.float32
+    torch.testing.assert_close(dt2.grad.full_tensor(), weight.to(torch.bfloat16).float(), atol=0, rtol=0)
+    # same placements with a dtype: still cast (as PyTorch), not returned as is
+    same = dt.redistribute(mesh, [Shard(0)], forward_dtype=torch.float64)
+    assert same.dtype == torch.float64 and same.placements == (Shard(0),)
+    return True
+
+
+def test_redistribute_forward_and_backward_dtype():
+    assert run_dist(2, _redistribute_dtypes) == [True] * 2
+
+
+# ---------------------------------------------------------------- Replicate -> Partial
+def _replicate_to_partial(rank, world_size):
+    """test_redistribute.py test_replicate_to_partial: Partial(sum) splits the value into equal
+    shares v / n on every rank (avg / max / min keep v); reducing gives v back."""
+    import torch
+    from hyper_parallel import Partial, Replicate, distribute_tensor
+    from hyper_parallel.core.dtensor import init_device_mesh
+    mesh = _mesh(world_size)
+    full = torch.randn(4, 6)
+    rep = distribute_tensor(full, mesh, [Replicate()])
+    part = rep.redistribute(mesh, [Partial()])
+    torch.testing.assert_close(part.to_local(), full / world_size)
+    torch.testing.assert_close(part.full_tensor(), full)
+    for op in ("avg", "max", "min"):
+        p = rep.redistribute(mesh, [Partial(op)])
+        torch.testing.assert_close(p.to_local(), full)
+        torch.testing.assert_close(p.full_tensor(), full)
+    # integers cannot be split exactly: the value on the first rank, zeros on the others
+    ints = distribute_tensor(torch.arange(6), mesh, [Replicate()]).redistribute(mesh, [Partial()])
+    assert torch.equal(ints.to_local(), torch.arange(6) if rank == 0 else torch.zeros(6, dtype=torch.long))
+    assert torch.equal(ints.full_tensor(), torch.arange(6))
+    # on a 2-D mesh, per mesh dim: shares of v / (n0 * n1) for Partial on both
+    mesh2 = init_device_mesh("cpu", (2, world_size // 2))
+    both = distribute_tensor(full, mesh2, [Replicate(), Replicate()]).redistribute(mesh2, [Partial(), Partial()])
+    torch.testing.assert_close(both.to_local(), full / world_size)
+    torch.testing.assert_close(both.full_tensor(), full)
+    return True
+
+
+def test_replicate_to_partial_splits_the_value():
+    assert run_dist(4, _replicate_to_partial) == [True] * 4
+
+
+# ---------------------------------------------------------------- distribute_tensor of a DTensor
+def _distribute_a_dtensor(rank, world_size):
+    """test_dtensor.py test_distribute_tensor / DTensorAPITest: a DTensor with the requested layout is
+    returned as is; with other placements (or another mesh) distribute_tensor raises."""
+    import torch
+    from hyper_parallel import Replicate, Shard, distribute_tensor
+    from hyper_parallel.core.dtensor import init_device_mesh
+    mesh = _mesh(world_size)
+    dt = distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
+    assert distribute_tensor(dt, mesh, [Shard(0)]) is dt
+    assert distribute_tensor(dt, mesh, [Shard(-2)]) is dt
+    with pytest.raises(ValueError, match=r"placements \(S\(0\),\) to placements .*redistribute"):
+        distribute_tensor(dt, mesh, [Replicate()])
+    with pytest.raises(ValueError, match="redistribute"):
+        distribute_tensor(dt, mesh, [Shard(1)])
+    other = init_device_mesh("cpu", (2, world_size // 2))
+    with pytest.raises(ValueError, match="another mesh"):
+        distribute_tensor(dt, other, [Shard(0), Replicate()])
+    return True
+
+
+def test_distribute_tensor_of_a_dtensor_with_other_placements_raises():
+    assert run_dist(4, _distribute_a_dtensor) == [True] * 4
+
+
+# ---------------------------------------------------------------- PrepareModuleInput
+def _prepare_input_lengths(rank, world_size):
+    """test_parallelize_api / test_tp_style.py test_prepare_module_input: more (or fewer) inputs
+    than input_layouts is a ValueError, on every rank before any collective."""
+    import torch
+    from hyper_parallel import PrepareModuleInput, Replicate, Shard, parallelize_module
+
+    class Two(torch.nn.Module):
+        def forward(self, a, b=None, c=None):
+            return a
+
+    mesh = _mesh(world_size)
+    style = PrepareModuleInput(input_layouts=(Shard(0), None), desired_input_layouts=(Replicate(), None))
+    mod = parallelize_module(Two(), mesh, style)
+    x = torch.ones(2, 3)
+    out = mod(x, x)   # two inputs, two layouts
+    assert tuple(out.shape) == (2 * world_size, 3)
+    with pytest.raises(ValueError, match=r"2 input_layouts .* got 3 positional inputs"):
+        mod(x, x, x)
+    with pytest.raises(ValueError, match="got 1 positional inputs"):
+        mod(x)
+    return True
+
+
+def test_prepare_module_input_with_more_inputs_than_layouts_raises():
+    assert run_dist(2, _prepare_input_lengths) == [True] * 2
+
+
+# ---------------------------------------------------------------- strides of permuted shards
+def _permuted_strides(rank, world_size):
+    """test_dtensor.py test_dtensor_stride / test_view_ops: stride() and is_contiguous() of
+    transposed / permuted DTensors are those torch gives the same view of the full tensor."""
+    import torch
+    from hyper_parallel import Replicate, Shard, distribute_tensor
+    mesh = _mesh(world_size)
+    full = torch.randn(8, 4, 6)
+    for placements in ([Shard(0)], [Shard(1)], [Shard(2)], [Replicate()]):
+        dt = distribute_tensor(full, mesh, placements)
+        assert dt.stride() == full.stride() and dt.is_contiguous()
+        for view in (lambda t: t.transpose(0, 1), lambda t: t.permute(2, 0, 1), lambda t: t.mT,
+                     lambda t: t.permute(1, 2, 0).transpose(0, 2)):
+            for _ in range(2):   # the second call takes the dispatch fast path
+                got, want = view(dt), view(full)
+                assert got.stride() == want.stride(), (placements, got.stride(), want.stride())
+                assert got.is_contiguous() == want.is_contiguous()
+                torch.testing.assert_close(got.full_tensor(), want)
+        back = dt.transpose(0, 2).contiguous()
+        assert back.is_contiguous() and back.stride() == full.transpose(0, 2).contiguous().stride()
+    # PyTorch's own case: a (x, y) tensor sharded on dim 0, transposed
+    dt = distribute_tensor(torch.randn(8 * world_size, 6), mesh, [Shard(0)]).t()
+    assert dt.stride() == (1, 6) and not dt.is_contiguous()
+    return True
+
+
+def test_strides_of_permuted_shards_match_torch():
+    assert run_dist(2, _permuted_strides) == [True] * 2
+
+
+# ---------------------------------------------------------------- DeviceMesh.from_group
+def _from_group(rank, world_size):
+    """test_device_mesh.py test_from_group: a mesh over an existing group (1-D, and 2-D from one
+    group per dim with mesh=), usable for DTensors; mismatching groups are a ValueError."""
+    import torch
+    import torch.distributed as dist
+    from hyper_parallel import DeviceMesh, Shard, distribute_tensor
+    from hyper_parallel.platform import get_platform
+    platform = get_platform()
+    world = platform.new_group(range(world_size))
+    mesh = DeviceMesh.from_group(world, "cpu", mesh_dim_names=("dp",))
+    assert mesh.rank_list == tuple(range(world_size)) and mesh.get_group() is world
+    full = torch.arange(8.0 * world_size)
+    assert torch.equal(distribute_tensor(full, mesh, [Shard(0)]).full_tensor(), full)
+    # 2-D: rows and columns of a 2 x (n/2) grid, groups made with torch itself (every rank makes all)
+    cols = world_size // 2
+    grid = torch.arange(world_size).reshape(2, cols)
+    rows = [dist.new_group(grid[i].tolist()) for i in range(2)]
+    columns = [dist.new_group(grid[:, j].tolist()) for j in range(cols)]
+    mine = (columns[rank % cols], rows[rank // cols])
+    mesh2 = DeviceMesh.from_group(list(mine), "cpu", mesh=grid, mesh_dim_names=("dp", "tp"))
+    assert mesh2.get_coordinate() == (rank // cols, rank % cols)
+    assert mesh2["tp"].rank_list == tuple(grid[rank // cols].tolist())
+    assert mesh2["tp"].get_group() is mine[1]
+    dt = distribute_tensor(full.reshape(2 * world_size, 4), mesh2, [Shard(0), Shard(1)])
+    assert torch.equal(dt.full_tensor(), full.reshape(2 * world_size, 4))
+    with pytest.raises(ValueError, match="group 0 has ranks"):
+        DeviceMesh.from_group(list(reversed(mine)), "cpu", mesh=grid)
+    with pytest.raises(ValueError, match="needs mesh="):
+        DeviceMesh.from_group(list(mine), "cpu")
+    return True
+
+
+def test_device_mesh_from_group():
+    assert run_dist(4, _from_group) == [True] * 4
