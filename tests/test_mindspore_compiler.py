@@ -29,3 +29,12 @@ def test_tensor_on_the_left_gradients():
 
 def test_residual_with_dtensor_sublayer():
     assert run_ms(2, cases.residual_block) == [True, True]
+
+
+def test_jit_entry_points_refuse_dtensors():
+    names = run_ms(2, cases.jit_entry_points)
+    assert names[0] == names[1] and len(names[0]) == 3 * 7 + 4, names[0]
+
+
+def test_vjp_of_dtensor_outputs():
+    assert run_ms(2, cases.vjp_outputs) == [True, True]

@@ -117,3 +117,111 @@ def residual_block(rank, world_size):
     g_ref = ms.grad(lambda a: (a + ref(a)).sum(), grad_position=0)(x)
     close(g, g_ref.asnumpy(), "d x of x + sublayer(x)")
     return True
+
+
+# ============================================================================ compilers
+def _compiled_callables(ms, d, tp_net, attn, holder):
+    """(what, call) for every jit entry point given hyper_parallel objects."""
+    def doubled_sum(a):
+        return (a * 2).sum()
+
+    def first_doubled(t):
+        return (t[0] * 2).sum()
+
+    def closure(a):
+        return a * d
+
+    def cp_call(q, k, v):
+        return attn(q, k, v)
+    x = ms.Tensor(np.ones((4, 6), np.float32))
+    xt = ms.Tensor(np.ones((2, 4), np.float32))
+    q = ms.Tensor(inp("jitq", 0, (1, 4, 2, 8)))
+    calls = []
+    for mode in ("ast", "bytecode", "trace"):
+        def jit(fn, mode=mode):
+            return ms.jit(fn, capture_mode=mode)
+        calls += [(f"{mode}: DTensor argument", lambda jit=jit: jit(doubled_sum)(d)),
+                  (f"{mode}: DTensor in a tuple", lambda jit=jit: jit(first_doubled)((d,))),
+                  (f"{mode}: DTensor in the closure", lambda jit=jit: jit(closure)(x)),
+                  (f"{mode}: TP Cell", lambda jit=jit: jit(tp_net)(xt)),
+                  (f"{mode}: ContextParallel Cell", lambda jit=jit: jit(attn)(q, q, q)),
+                  (f"{mode}: ContextParallel in a function", lambda jit=jit: jit(cp_call)(q, q, q)),
+                  (f"{mode}: Cell holding a DTensor", lambda jit=jit: jit(holder)(x))]
+    return calls
+
+
+def jit_entry_points(rank, world_size):
+    """Each entry point raises the documented RuntimeError before compiling (none returns a value
+    computed on a placeholder); eager use afterwards still equals one process."""
+    import mindspore as ms
+    from hyper_parallel import ContextParallel, Shard, distribute_tensor, init_device_mesh
+    from tests.frameworks import current
+    from tests.mindspore.cases_training import _mlp, _tp
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    y = inp("jity", 0, (4, 6))
+    d = distribute_tensor(ms.Tensor(y), mesh, [Shard(0)])
+    tp_net, ref = _tp(_mlp()[0], mesh), _mlp()[0]
+    attn = ContextParallel(seq_dim=1, head_dim=2).apply(current().attention(), mesh)
+
+    class Holder(ms.nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.t = d
+
+        def construct(self, a):
+            return a + self.t
+
+    class Plain(ms.nn.Cell):
+        def construct(self, a):
+            return (a * 2).sum()
+    holder, q = Holder(), ms.Tensor(inp("jitq", 0, (1, 4, 2, 8)))
+    names = []
+    for what, call in _compiled_callables(ms, d, tp_net, attn, holder):
+        expect_error(RuntimeError, call, "PYNATIVE_MODE", "ms.jit")
+        names.append(what)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        for what, call in (("GRAPH_MODE: DTensor argument", lambda: Plain()(d)),
+                           ("GRAPH_MODE: ContextParallel Cell", lambda: attn(q, q, q)),
+                           ("GRAPH_MODE: TP Cell", lambda: tp_net(ms.Tensor(np.ones((2, 4), np.float32)))),
+                           ("GRAPH_MODE: Cell holding a DTensor", lambda: Holder()(ms.Tensor(y)))):
+            expect_error(RuntimeError, call, "GRAPH_MODE", "PYNATIVE_MODE")
+            names.append(what)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    close((d * 2).sum(), np.float32((y * 2).sum()), "eager (d * 2).sum() after the refusals")
+    xt = ms.Tensor(inp("jitx", 0, (2, 4)))
+    close(tp_net(xt), ref(xt).asnumpy(), "eager TP forward after the refusals")
+
+    def plain(a):
+        return (a * 2).sum()
+    for mode in ("ast", "bytecode"):   # plain tensors still compile (trace needs source lines)
+        close(ms.jit(plain, capture_mode=mode)(ms.Tensor(y)), np.float32((y * 2).sum()), f"{mode} plain")
+    return names
+
+
+def vjp_outputs(rank, world_size):
+    """ms.vjp: a non-scalar DTensor output raises a clear ValueError; its full_tensor() (cotangent of
+    the global shape) and a scalar DTensor give one process's gradients."""
+    import mindspore as ms
+    from hyper_parallel import DTensor, Shard, init_device_mesh
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    y = inp("vjpy", 0, (4, 6))
+    piece = ms.Tensor(np.split(y, world_size, 0)[rank])
+    cot = inp("vjpc", 0, (4, 6))
+
+    def dist(local):
+        return DTensor.from_local(local, mesh, [Shard(0)]) * 3
+
+    expect_error(ValueError, lambda: ms.vjp(dist, piece), "ms.vjp", "(4, 6)", "full_tensor()")
+    out, fn = ms.vjp(lambda local: dist(local).full_tensor(), piece)
+    close(out, y * 3, "vjp forward of full_tensor()")
+    grad = fn(ms.Tensor(cot))
+    grad = grad[0] if isinstance(grad, tuple) else grad
+    close(grad, np.split(cot * 3, world_size, 0)[rank], "vjp gradient of full_tensor()")
+    out, fn = ms.vjp(lambda local: (dist(local) ** 2).sum(), piece)
+    close(out, np.float32((9 * y ** 2).sum()), "vjp forward of a scalar DTensor")
+    grad = fn(ms.Tensor(np.float32(1.0)))
+    grad = grad[0] if isinstance(grad, tuple) else grad
+    close(grad, np.split(18 * y, world_size, 0)[rank], "vjp gradient of a scalar DTensor")
+    return True
