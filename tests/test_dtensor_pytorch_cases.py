@@ -201,3 +201,124 @@ def _from_group(rank, world_size):
 
 def test_device_mesh_from_group():
     assert run_dist(4, _from_group) == [True] * 4
+
+
+# ---------------------------------------------------------------- local_map / implicit_replication
+def _local_map_cases(rank, world_size):
+    """test_local_map.py: a plain-tensor function on shards (row-wise matmul: x Shard(0) @ w
+    Replicate -> Shard(0)), forward and gradients equal one process; in_placements mismatch is a
+    ValueError unless redistribute_inputs=True; implicit_replication mixes plain tensors."""
+    import torch
+    from hyper_parallel import (CommDebugMode, Partial, Replicate, Shard, distribute_tensor,
+                                implicit_replication, local_map)
+    mesh = _mesh(world_size)
+    x_full, w_full = torch.randn(4 * world_size, 3), torch.randn(3, 5)
+
+    @local_map(out_placements=[Shard(0)], in_placements=([Shard(0)], [Replicate()]),
+               in_grad_placements=([Shard(0)], [Partial()]), device_mesh=mesh)
+    def row_matmul(x, w):
+        assert type(x) is torch.Tensor and type(w) is torch.Tensor
+        return x @ w
+
+    x = distribute_tensor(x_full, mesh, [Shard(0)]).requires_grad_()
+    w = distribute_tensor(w_full, mesh, [Replicate()]).requires_grad_()
+    row_matmul(x, w)   # from_local checks the ranks agree on a signature's first call
+    with CommDebugMode() as comm:
+        out = row_matmul(x, w)
+    assert comm.get_total_counts() == 0, comm.get_comm_counts()
+    assert out.placements == (Shard(0),)
+    torch.testing.assert_close(out.full_tensor(), x_full @ w_full)
+    out.full_tensor().sum().backward()
+    xr, wr = x_full.clone().requires_grad_(), w_full.clone().requires_grad_()
+    (xr @ wr).sum().backward()
+    torch.testing.assert_close(x.grad.full_tensor(), xr.grad)
+    torch.testing.assert_close(w.grad.full_tensor(), wr.grad)
+    # in another layout: an error, or a redistribution when asked
+    x_rep = distribute_tensor(x_full, mesh, [Replicate()])
+    with pytest.raises(ValueError, match="in_placements asks for .*redistribute_inputs=True"):
+        row_matmul(x_rep, w)
+    moved = local_map(lambda a, b: a @ b, [Shard(0)], ([Shard(0)], [Replicate()]),
+                      redistribute_inputs=True)(x_rep, w)
+    torch.testing.assert_close(moved.full_tensor(), x_full @ w_full)
+    # several outputs, one not a tensor; plain tensors only: the function runs as is
+    pair = local_map(lambda a: (a.sum(0), a.shape[0]), out_placements=([Partial()], None))(x)
+    torch.testing.assert_close(pair[0].full_tensor(), x_full.sum(0))
+    assert pair[1] == 4
+    assert type(row_matmul(x_full, w_full)) is torch.Tensor
+    with implicit_replication():
+        mixed = x + torch.ones(3)   # the plain tensor counts as Replicate
+        torch.testing.assert_close(mixed.full_tensor(), x_full + 1)
+    return True
+
+
+def test_local_map_and_implicit_replication():
+    assert run_dist(2, _local_map_cases) == [True] * 2
+
+
+# ---------------------------------------------------------------- register_sharding
+def _rowscale_op():
+    import torch
+
+    @torch.library.custom_op("hp_test::rowscale", mutates_args=())
+    def rowscale(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return x * s[:, None]
+
+    @rowscale.register_fake
+    def _(x, s):
+        return torch.empty_like(x)
+    return rowscale
+
+
+def _register_sharding_cases(rank, world_size):
+    """test_register_sharding.py: a strategy registered for a custom op (sharded rows in, sharded
+    rows out) runs it on the shards with no communication; registered by name, it replaces a
+    built-in rule (softmax kept replicated)."""
+    import torch
+    import torch.nn.functional as F
+    from hyper_parallel import CommDebugMode, Replicate, Shard, distribute_tensor, register_sharding
+    from hyper_parallel.core.dtensor.ops.user_sharding import unregister_sharding
+    ops = getattr(torch.ops, "hp_test", None)
+    op = ops.rowscale.default if ops is not None and hasattr(ops, "rowscale") else None
+    if op is None:
+        _rowscale_op()
+        op = torch.ops.hp_test.rowscale.default
+    mesh = _mesh(world_size)
+    x_full, s_full = torch.randn(4 * world_size, 3), torch.randn(4 * world_size)
+    x, s = distribute_tensor(x_full, mesh, [Shard(0)]), distribute_tensor(s_full, mesh, [Shard(0)])
+    seen = []
+
+    @register_sharding(op)
+    def rowscale_sharding(x_spec, s_spec):
+        seen.append((tuple(x_spec.shape), x_spec.placements))
+        return [([Replicate()], [Replicate(), Replicate()]), ([Shard(0)], [Shard(0), Shard(0)])]
+    try:
+        with CommDebugMode() as comm:
+            out = op(x, s)
+        assert comm.get_total_counts() == 0, comm.get_comm_counts()
+        assert out.placements == (Shard(0),) and seen == [((4 * world_size, 3), (Shard(0),))]
+        torch.testing.assert_close(out.full_tensor(), x_full * s_full[:, None])
+        # a replicated scale: the cheapest acceptable layout slices it locally, still no collective
+        s_rep = distribute_tensor(s_full, mesh, [Replicate()])
+        with CommDebugMode() as comm:
+            out = op(x, s_rep)
+        assert comm.get_total_counts() == 0 and out.placements == (Shard(0),), comm.get_comm_counts()
+        torch.testing.assert_close(out.full_tensor(), x_full * s_full[:, None])
+    finally:
+        unregister_sharding(op)
+
+    @register_sharding("softmax")
+    def replicated_softmax(x_spec, *rest, **kwargs):   # dim=1 comes as a keyword
+        return [([Replicate()], [Replicate()] + [None] * len(rest))]
+    try:
+        y = distribute_tensor(x_full, mesh, [Shard(0)])
+        got = F.softmax(y, dim=1)
+        assert got.placements == (Replicate(),)
+        torch.testing.assert_close(got.full_tensor(), F.softmax(x_full, dim=1))
+    finally:
+        unregister_sharding("softmax")
+    assert F.softmax(y, dim=1).placements == (Shard(0),)   # the built-in rule again
+    return True
+
+
+def test_register_sharding():
+    assert run_dist(2, _register_sharding_cases) == [True] * 2

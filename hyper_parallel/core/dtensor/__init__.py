@@ -4,6 +4,9 @@ from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Repl
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.api import distribute_module, distribute_tensor
 from hyper_parallel.core.dtensor import ops  # noqa: F401  (registers the sharding rules)
+from hyper_parallel.core.dtensor.local_map import implicit_replication, local_map
+from hyper_parallel.core.dtensor.ops.user_sharding import register_sharding
 
 __all__ = ["DeviceMesh", "init_device_mesh", "current_mesh", "Placement", "Shard", "StridedShard",
-           "Replicate", "Partial", "DTensor", "distribute_tensor", "distribute_module"]
+           "Replicate", "Partial", "DTensor", "distribute_tensor", "distribute_module",
+           "local_map", "register_sharding", "implicit_replication"]

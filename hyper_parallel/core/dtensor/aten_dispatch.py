@@ -13,6 +13,7 @@ from hyper_parallel.core.dtensor.inplace_shape import reshape_in_place
 from hyper_parallel.core.dtensor.interceptors import screen
 from hyper_parallel.core.dtensor.layout import grad_placements
 from hyper_parallel.core.dtensor.ops.elementwise import elementwise_strategy, linearity_name
+from hyper_parallel.core.dtensor.ops.user_sharding import run_user_op, user_op_function
 from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.core.dtensor.spec import DTensorSpec
 from hyper_parallel.core.dtensor.tree import tree_flatten, tree_unflatten
@@ -314,6 +315,9 @@ _HANDLERS = {"alias": _alias, "like": _like, "new_like": _new_like, "fill": _fil
 
 
 def dispatch_aten(func, args, kwargs):
+    user = user_op_function(func)
+    if user is not None:  # register_sharding of this op: the user's strategy, not the fallback
+        return run_user_op(user, func, args, kwargs)
     kind = get_platform().aten_kind(func)
     if kind in ("pointwise", "fill") and _mutates_others(func, args, kwargs):
         kind = None  # out= variants and the like: the fallback writes every written argument

@@ -8,6 +8,7 @@ that runs the op on the shards (to pass local shapes, offsets or masks).
 from dataclasses import dataclass
 
 _RULES = {}
+_OVERRIDES = {}   # name -> rule registered by the user (register_sharding), consulted first
 
 
 _UNCACHEABLE = set()
@@ -32,6 +33,10 @@ def is_cacheable(name):
 
 
 def get_rule(name):
+    if _OVERRIDES:
+        found = _OVERRIDES.get(name)
+        if found is not None:
+            return found
     return _RULES.get(name)
 
 
