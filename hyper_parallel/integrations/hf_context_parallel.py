@@ -139,19 +139,14 @@ class CPAttention:
             return args, kwargs
         if self.audit_pending:
             self.audit()
-        if len(args) > 1:
-            raise ValueError("parallelize_model: under context parallelism call the model with keyword "
-                             "arguments (input_ids=..., attention_mask=..., position_ids=...)")
-        for name in ("past_key_values", "cache"):
-            if kwargs.get(name) is not None:
-                raise ValueError("parallelize_model: KV caches are not supported under context parallelism "
-                                 "(each rank holds a block of the sequence); use the model for training")
+        try:
+            batch, local, positions = self._local_inputs(args, kwargs)
+            problem = None
+        except ValueError as error:
+            batch = local = 0
+            problem = error
+        self._check_ranks_agree(module, batch, local, kwargs, problem)
         kwargs["use_cache"] = False
-        first = args[0] if args else kwargs.get("input_ids")
-        if first is None:
-            first = kwargs.get("inputs_embeds")
-        batch, local = int(first.shape[0]), int(first.shape[1])
-        positions = self._positions(kwargs.get("position_ids"), batch, local)
         positions = positions.view(positions.shape)   # this forward's own tensor object (masks_for)
         kwargs["position_ids"] = positions
         self.masks = self._global_masks(kwargs.get("attention_mask"), positions, batch, local)
@@ -160,6 +155,48 @@ class CPAttention:
         weakref.finalize(positions, self._by_positions.pop, key, None)   # gone with the forward's graph
         self.in_forward = True
         return args, kwargs
+
+    def _local_inputs(self, args, kwargs):
+        """This rank's (batch, block length, position ids); ValueError for inputs CP cannot take."""
+        if len(args) > 1:
+            raise ValueError("parallelize_model: under context parallelism call the model with keyword "
+                             "arguments (input_ids=..., attention_mask=..., position_ids=...)")
+        for name in ("past_key_values", "cache"):
+            if kwargs.get(name) is not None:
+                raise ValueError("parallelize_model: KV caches are not supported under context parallelism "
+                                 "(each rank holds a block of the sequence); use the model for training")
+        first = args[0] if args else kwargs.get("input_ids")
+        first = kwargs.get("inputs_embeds") if first is None else first
+        if first is None:
+            raise ValueError("parallelize_model: the model was called without input_ids or inputs_embeds")
+        batch, local = int(first.shape[0]), int(first.shape[1])
+        mask = kwargs.get("attention_mask")
+        if mask is not None and (mask.ndim != 2 or tuple(mask.shape) != (batch, local)):
+            raise ValueError(f"parallelize_model: attention_mask of shape {tuple(mask.shape)} is not supported "
+                             f"under context parallelism; pass the 2-D padding mask's block ({batch}, {local}) "
+                             f"from shard_sequence")
+        return batch, local, self._positions(kwargs.get("position_ids"), batch, local)
+
+    def _check_ranks_agree(self, module, batch, local, kwargs, problem):
+        """Every rank learns every rank's batch, block length and whether its inputs were refused, in
+        one fixed-size all-gather, before the gathers whose sizes depend on them: a rank with 63 tokens
+        or another batch size is a ValueError on every rank, not a collective that aborts or hangs."""
+        flags = [kwargs.get(n) is not None for n in ("attention_mask", "position_ids")]
+        device = next(module.parameters()).device
+        mine = torch.tensor([[batch, local, *flags, problem is not None]], dtype=torch.int64, device=device)
+        every = get_platform().all_gather(mine, self.mesh.get_group(), dim=0).cpu().tolist()
+        if problem is not None:
+            raise problem
+        refused = [r for r, row in enumerate(every) if row[-1]]
+        if refused:
+            raise ValueError(f"parallelize_model: CP rank(s) {refused} refused their inputs (their error says "
+                             f"why); every rank stops before the sequence collectives")
+        if any(row != every[0] for row in every):
+            shapes = {r: f"batch {row[0]}, {row[1]} tokens, attention_mask {bool(row[2])}, position_ids "
+                         f"{bool(row[3])}" for r, row in enumerate(every)}
+            raise ValueError(f"parallelize_model: the CP ranks were called with different inputs: {shapes}; "
+                             f"every rank must pass the same batch and an equal block of the sequence "
+                             f"(shard_sequence splits it)")
 
     def post_forward(self, module, args, kwargs, output):
         self.masks, self.in_forward = None, False   # recomputations find theirs by position_ids
@@ -180,11 +217,6 @@ class CPAttention:
 
     def _global_masks(self, attention_mask, positions, batch, local):
         if attention_mask is not None:
-            if attention_mask.ndim != 2 or tuple(attention_mask.shape) != (batch, local):
-                raise ValueError(f"parallelize_model: attention_mask of shape {tuple(attention_mask.shape)} "
-                                 f"is not supported under context parallelism; pass the 2-D padding mask's "
-                                 f"block "
-                                 f"({batch}, {local}) from shard_sequence")
             # on the CPU: the masked kernels decide per tile (skip / full / masked) without a device sync
             keep = self._gather(attention_mask.to(torch.bool)).cpu()
             return None if bool(keep.all()) else {"padding_mask": keep}

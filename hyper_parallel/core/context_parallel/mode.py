@@ -17,6 +17,7 @@ from hyper_parallel.core.context_parallel.overlap import pipelinable, recording,
 from hyper_parallel.core.context_parallel.ring_mode import run_ring
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.dtensor.ops.attention_roles import AttentionRoles, expecting
 from hyper_parallel.core.dtensor.placement_types import HeadTailShard, Replicate
 from hyper_parallel.platform import get_platform
 
@@ -245,6 +246,7 @@ def run_prepared(style, inputs, ulysses_dims, gather_dims, masks, call):
         call = with_masks(masks, call)
     if style.kv_exchange == "ring" and gather_dims:
         return deliver(style, inputs, *run_ring(style, inputs, ulysses_dims, gather_dims[0], call))
+    call = _promising(style, inputs, ulysses_dims, gather_dims, call)
     if pipelinable(style, inputs, masks):   # overlap=True: head chunks pipelined (overlap.py)
         done = run_overlapped(style, inputs, ulysses_dims, gather_dims, call)
         if done is not None:
@@ -257,6 +259,18 @@ def run_prepared(style, inputs, ulysses_dims, gather_dims, masks, call):
         return deliver(style, inputs, *_load_balanced(inputs, k, v, call))
     out = first_output(call(q, k, v))
     return deliver(style, inputs, *to_caller(out, inputs, ulysses_dims))
+
+
+def _promising(style, inputs, ulysses_dims, gather_dims, call):
+    """``call`` with the attention kernel told how this mode splits q (attention_roles.py)."""
+    roles = AttentionRoles(inputs.mesh, tuple([(m, "heads") for m in ulysses_dims] + [(m, "seq") for m in gather_dims]),
+                           inputs.shapes[0][inputs.seq],
+                           f"ContextParallel(seq_dim={style.seq_dim}, head_dim={style.head_dim})")
+
+    def promised(*args, **kwargs):
+        with expecting(roles):
+            return call(*args, **kwargs)
+    return promised
 
 
 def _load_balanced(inputs, k, v, call):

@@ -13,6 +13,7 @@ excluded key stays out of that row exactly as in single-device causal attention 
 the same redistribution that splits q.
 """
 from hyper_parallel.core.dtensor.layout import numel
+from hyper_parallel.core.dtensor.ops.attention_roles import check_query
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.ops.strategy_search import pick
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
@@ -52,6 +53,7 @@ def sdpa_rule(call):
     qs, ks, vs = call.spec(q), call.spec(k), call.spec(v)
     if qs is None or ks is None or vs is None or qs.ndim < 3:
         return None
+    check_query(qs)   # inside a ContextParallel call: q split as that call promised (attention_roles.py)
     if (call.arg(4, "dropout_p", 0.0) or 0.0) > 0:
         return _whole(call)
     mask = call.arg(3, "attn_mask")
