@@ -16,6 +16,9 @@ import time
 
 import numpy as np
 
+if __package__ in (None, ""):   # run as a file (msrun benchmarks/x.py): the package is at the repo root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from benchmarks import rss_peak
 
 from benchmarks import cp_packed

@@ -13,7 +13,11 @@ import argparse
 import json
 import statistics
 import sys
+import os
 import time
+
+if __package__ in (None, ""):   # run as a file (msrun benchmarks/x.py): the package is at the repo root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse_args(argv=None):

@@ -25,6 +25,14 @@ CP_MODES = {
 }
 
 
+def check_mode(args):
+    """--mode against --cp, before any process starts: a hybrid needs a Ulysses degree of 2 and at
+    least 2 all-gather groups, so --cp 2 would run plain Ulysses under the hybrid's name."""
+    if getattr(args, "mode", None) == "hybrid" and (args.cp < 4 or args.cp % 2):
+        raise ValueError(f"--mode hybrid runs Ulysses over 2 ranks × all-gather over cp / 2; it needs an even "
+                         f"--cp of at least 4, got --cp {args.cp} (at --cp 2 use --mode ulysses)")
+
+
 def parser(doc, *, width_flag="--dim", cp=False, tp_help="tensor-parallel ranks", extra=(), checkpoint=False,
            **defaults):
     """The examples' flags. ``width_flag`` names the model-width flag; ``cp`` adds --cp and --mode;
@@ -226,6 +234,7 @@ def steps_saved(args):
 def launch(run, argv, args):
     """``run(argv)`` here under a launcher (``RANK`` set); otherwise in dp × cp × tp spawned local
     ranks (gloo). ``run`` must be a module-level function of the example (it is pickled)."""
+    check_mode(args)
     if "RANK" in os.environ:
         return run(argv)
     world = args.dp * args.cp * args.tp

@@ -178,3 +178,16 @@ def test_benchmark_mindspore_failing_rank_stops_the_run(tmp_path):
     assert "rank 1 exited with code 1" in proc.stderr, proc.stderr[-3000:]
     assert not out.exists()
     assert _leftover_processes(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize("name", ["cp_attention", "cp_overhead", "dtensor_dispatch", "ring_memory", "cp_launch"])
+def test_benchmark_runs_as_a_file(name, tmp_path):
+    """msrun starts a benchmark by its file path (``msrun ... benchmarks/cp_attention.py``), from any
+    directory: the package must still import (it once failed with ModuleNotFoundError: benchmarks)."""
+    import pathlib
+    import subprocess
+    import sys
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    done = subprocess.run([sys.executable, str(path), "--help"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr

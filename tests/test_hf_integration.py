@@ -185,3 +185,17 @@ def test_example_train_llama_hf_check():
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[2/2] loss" in done.stdout and "max |loss - single-process loss|" in done.stdout, done.stdout
+
+
+def test_example_hybrid_needs_four_cp_ranks():
+    """--mode hybrid at --cp 2 would be plain Ulysses under the hybrid's name: refused before any
+    process starts (both torch examples share the check)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for example in ("train_llama_hf.py", "train_llama_titan.py"):
+        done = subprocess.run([sys.executable, str(root / "examples" / example), "--cp", "2", "--mode", "hybrid"],
+                              cwd=root, capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0 and "needs an even --cp of at least 4" in done.stderr, done.stderr

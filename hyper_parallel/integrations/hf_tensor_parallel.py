@@ -18,6 +18,8 @@ Attention modules in transformers 5 reshape projections with ``view(..., -1, hea
 pick up the per-rank head count from the sharded projection by themselves (as under HF's own TP);
 integer head-count attributes that some modules keep are divided by the TP size as well.
 """
+import fnmatch
+
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
 from hyper_parallel.core.tensor_parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
                                                  SequenceParallel, parallelize_module)
@@ -83,11 +85,24 @@ def _check_heads(config, tp):
                              f"choose a TP size that divides the head counts")
 
 
-def _localize_head_counts(model, tp):
-    """Divide per-module integer head counts by ``tp`` (attention modules whose projections are
-    split); modules that infer heads with ``view(..., -1, head_dim)`` need nothing."""
-    for module in model.modules():
-        if not hasattr(module, "q_proj") and not hasattr(module, "qkv_proj"):
+def _style_name(hf_plan, fqn):
+    """The HF style name the plan gives module ``fqn`` (fnmatch per dotted segment), or None."""
+    atoms = fqn.split(".")
+    for pattern, name in hf_plan.items():
+        parts = pattern.split(".")
+        if len(parts) == len(atoms) and all(fnmatch.fnmatchcase(a, p) for a, p in zip(atoms, parts)):
+            return name
+    return None
+
+
+def _localize_head_counts(model, hf_plan, tp):
+    """Divide per-module integer head counts by ``tp`` in attention modules whose q (or fused qkv)
+    projection returns this rank's heads. A plan that gathers the projection's output (Phi-3's
+    ``qkv_proj``: ``colwise_gather_output``) hands every rank all heads, so their counts stay.
+    Modules that infer heads with ``view(..., -1, head_dim)`` need nothing."""
+    for name, module in model.named_modules():
+        proj = "q_proj" if hasattr(module, "q_proj") else "qkv_proj" if hasattr(module, "qkv_proj") else None
+        if proj is None or _style_name(hf_plan, f"{name}.{proj}") != "colwise":
             continue
         for attr in _HEAD_ATTRS:
             value = module.__dict__.get(attr)
@@ -126,5 +141,5 @@ def apply_tensor_parallel(model, tp_mesh):
     tied = inp is not None and out is not None and inp.weight is out.weight
     parallelize_module(model, tp_mesh, translate_plan(hf_plan))
     _retie(model, tied)
-    _localize_head_counts(model, tp)
+    _localize_head_counts(model, hf_plan, tp)
     return model
