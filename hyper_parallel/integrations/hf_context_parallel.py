@@ -22,8 +22,11 @@ They reproduce transformers' sdpa path on one device:
 
 Missing ``position_ids`` are filled with the block's global positions (transformers would count
 from 0 on every rank). Unsupported inputs raise ``ValueError``: 4-D masks, KV caches, a sliding
-window shorter than the sequence, and attention dropout together with a padding mask or packing
-(the masked kernels take no dropout).
+window shorter than the sequence, attention keywords it does not implement (hf_attention_args.py),
+and attention dropout together with a padding mask or packing (the masked kernels take no dropout).
+Before any of this, the model is audited for modules that mix the sequence outside attention
+(hf_sequence_audit.py), and every forward starts with one fixed-size exchange of each rank's input
+shapes, so ranks that disagree all raise before the gathers whose sizes depend on them.
 """
 import copy
 import itertools
@@ -78,6 +81,10 @@ class CPAttention:
     # ------------------------------------------------------------------ the attention function
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         if self.probing:
+            if attention_mask is not None:
+                raise ValueError(f"parallelize_model: {type(module).__name__} hands its attention a prepared "
+                                 f"mask tensor (e.g. a positional bias), which context parallelism does not "
+                                 f"split")
             check_attention_kwargs(module, kwargs)
             return _token_local_attention(query, value), None
         masks = self.masks_for(kwargs)
