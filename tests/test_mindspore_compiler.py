@@ -38,3 +38,7 @@ def test_jit_entry_points_refuse_dtensors():
 
 def test_vjp_of_dtensor_outputs():
     assert run_ms(2, cases.vjp_outputs) == [True, True]
+
+
+def test_scalar_on_the_left_of_operators():
+    assert run_ms(2, cases.scalar_left_operators) == [True, True]

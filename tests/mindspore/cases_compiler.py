@@ -225,3 +225,26 @@ def vjp_outputs(rank, world_size):
     grad = grad[0] if isinstance(grad, tuple) else grad
     close(grad, np.split(18 * y, world_size, 0)[rank], "vjp gradient of a scalar DTensor")
     return True
+
+
+def scalar_left_operators(rank, world_size):
+    """``2 OP d`` for every operator runs through sharding rules (HP_STRICT_DISPATCH: no replicated
+    fallback; ``2 % d`` used to take it) and equals one process."""
+    import os
+    import mindspore as ms
+    from hyper_parallel import distribute_tensor, init_device_mesh
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    x, y = _inputs()
+    os.environ["HP_STRICT_DISPATCH"] = "1"
+    try:
+        for pname, placements in _placements().items():
+            d = distribute_tensor(ms.Tensor(y - 1.0), mesh, placements)
+            for scalar in (2, -2.5):
+                for symbol in ("+", "-", "*", "/", "**", "%", "//"):
+                    want = _apply(symbol, scalar, ms.Tensor(y - 1.0)).asnumpy()
+                    got = _apply(symbol, scalar, d)
+                    close(got, want, f"{scalar} {symbol} DTensor {pname}")
+                    assert tuple(got.placements) == tuple(placements), (symbol, pname, got.placements)
+    finally:
+        os.environ.pop("HP_STRICT_DISPATCH", None)
+    return True

@@ -225,7 +225,8 @@ _add("Div Divs RealDiv DivMod DivMods", "elementwise", meta.elementwise, "div")
 _add("FloorDiv FloorDivScalar Pow PowTensorScalar PowScalarTensor Maximum Minimum Less LessEqual Greater "
      "GreaterEqual Equal NotEqual BitwiseAndTensor BitwiseAndScalar BitwiseOrTensor BitwiseOrScalar "
      "BitwiseXorTensor BitwiseXorScalar LogicalAnd LogicalOr LogicalXor RemainderTensorScalar "
-     "RemainderTensorTensor Atan2 Atan2Ext Lerp LerpScalar Xlogy IsClose", "elementwise", meta.elementwise)
+     "RemainderTensorTensor RemainderScalarTensor Atan2 Atan2Ext Lerp LerpScalar Xlogy IsClose",
+     "elementwise", meta.elementwise)
 _add("Select", "elementwise", meta.elementwise, "where")
 _add("MaskedFill MaskedFillScalar", "elementwise", meta.elementwise, "masked_fill")
 
