@@ -224,10 +224,6 @@ def _pieces_message(local, mesh, spec, placements, shape_given, mins, maxs, who)
 
 
 # ---------------------------------------------------------------------- Replicate values
-# stand-ins for NaN / +-inf, so that equal non-finite values compare equal across ranks
-_NAN, _INF = 1.0e300, 1.5e300
-
-
 def check_replicated_values(local, mesh, placements):
     """Debug mode: ValueError on every rank of ``mesh`` unless the piece is the same on every rank
     of each mesh dim it is replicated over (``Replicate`` in ``placements``), naming the largest
@@ -236,14 +232,18 @@ def check_replicated_values(local, mesh, placements):
     dims = [m for m, p in enumerate(placements) if p.is_replicate()]
     if not dims or is_meta(local):
         return
-    x = platform.detach(local).double().nan_to_num(nan=_NAN, posinf=_INF, neginf=-_INF)
+    x = platform.detach(local).double().reshape(-1)
+    nan = x != x
+    # NaN flags travel beside the values (a NaN never equals itself, but equal flags agree)
+    x = platform.cat([x.masked_fill(nan, 0.0), nan.double()])
     worst = 0.0
     if int(x.numel()):
         for m in dims:
             group = mesh.get_group(m)
             hi = platform.all_reduce(x, group, "max", tag="replicate_check")
             lo = platform.all_reduce(x, group, "min", tag="replicate_check")
-            worst = max(worst, float((hi - lo).max()))
+            # equal infinities agree (inf - inf would be NaN)
+            worst = max(worst, float((hi - lo).masked_fill(hi == lo, 0.0).max()))
     # one more reduce over the whole mesh: a disagreement on one line must stop every rank
     worst_all = platform.tensor([worst], device=check_device(local, mesh))
     for m in range(mesh.ndim):
@@ -252,7 +252,7 @@ def check_replicated_values(local, mesh, placements):
     if worst == 0:
         return
     who, _ = _caller("DTensor.from_local")
-    what = "NaN/inf at different positions" if worst >= _NAN / 2 else f"max difference {worst:.6g}"
+    what = f"max difference {worst:.6g}" + (" (an inf on some ranks)" if worst == float("inf") else "")
     raise ValueError(f"{who}: a piece laid out as {tuple(placements)} on {mesh} is replicated over mesh "
                      f"dim(s) {dims} but differs between those ranks ({what}; {DEBUG_ENV}=1 compares "
                      f"them); rank {get_platform().get_rank()} has {dtype_name(local.dtype)} "
