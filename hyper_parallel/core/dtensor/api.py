@@ -52,8 +52,8 @@ def distribute_tensor(tensor, device_mesh=None, placements=None, *, src_data_ran
     all-reduce first checks that every rank passes the same ndim, dtype and shape (a ValueError on
     every rank otherwise), so a mismatch never reaches the data collectives. A meta tensor gives a
     DTensor of meta pieces (no data moves; ``module.to_empty`` then allocates each rank's piece). A
-    rank outside ``device_mesh`` gets an empty local piece and communicates nothing, as in PyTorch. ``device_mesh`` defaults to the mesh of
-    the innermost ``with mesh:`` block.
+    rank outside ``device_mesh`` gets an empty local piece and communicates nothing, as in PyTorch.
+    ``device_mesh`` defaults to the mesh of the innermost ``with mesh:`` block.
     """
     from hyper_parallel.core.dtensor.checkpoint import remember_mesh
     from hyper_parallel.core.dtensor.factories import resolve_mesh
