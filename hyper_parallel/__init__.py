@@ -43,6 +43,8 @@ _EXPORTS = {
     "attention_masks": "hyper_parallel.core.context_parallel",
     "start_attention": "hyper_parallel.core.context_parallel",
     "data_parallel": "hyper_parallel.core.data_parallel",
+    "fully_shard": "hyper_parallel.core.fully_shard",
+    "MixedPrecisionPolicy": "hyper_parallel.core.fully_shard",
     "shard_sequence": "hyper_parallel.core.shard_sequence",
 }
 

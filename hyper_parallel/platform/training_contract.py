@@ -10,7 +10,35 @@ def unavailable(what, platform):
     return NotImplementedError(f"{what} is not available on the {platform.name} platform")
 
 
-class TrainingLoopContract:
+class ShardedDataParallelContract:
+    """Declared members fully_shard uses (core/fully_shard; torch: platform/torch/fully_shard_support.py)."""
+
+    def free_storage(self, tensor):
+        """Release ``tensor``'s memory, keeping the tensor object (autograd's saved references stay valid)."""
+        raise unavailable("free_storage (fully_shard)", self)
+
+    def alloc_storage(self, tensor):
+        """Give a tensor freed by ``free_storage`` memory for its whole shape again (contents undefined)."""
+        raise unavailable("alloc_storage (fully_shard)", self)
+
+    def untracked(self, tensor):
+        """An alias of ``tensor``'s memory whose writes autograd does not see (no version bump)."""
+        raise unavailable("untracked (fully_shard)", self)
+
+    def swap_parameter(self, module, name, value):
+        """Make ``module.<name>`` the tensor object ``value`` itself (no new parameter object)."""
+        raise unavailable("swap_parameter (fully_shard)", self)
+
+    def register_multi_grad_hook(self, tensors, hook):
+        """``hook()`` once per backward, when the first gradient of any of ``tensors`` is computed."""
+        raise unavailable("register_multi_grad_hook (fully_shard)", self)
+
+    def queue_backward_callback(self, callback):
+        """Run ``callback()`` once the current backward pass has finished (called during backward)."""
+        raise unavailable("queue_backward_callback (fully_shard)", self)
+
+
+class TrainingLoopContract(ShardedDataParallelContract):
     """Declared members of the training loop (MindSpore: training.py implements them)."""
 
     # gradients reach the training step as a tuple (core: data_parallel_tuple), not through hooks
@@ -45,3 +73,4 @@ class TrainingLoopContract:
     def assign_parameter(self, param, array):
         """Overwrite ``param``'s values in place from a numpy array."""
         raise unavailable("assign_parameter", self)
+

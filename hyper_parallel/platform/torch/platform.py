@@ -13,6 +13,7 @@ from hyper_parallel.platform.base import Platform
 from hyper_parallel.platform.torch import attention_kernels
 from hyper_parallel.platform.torch.autograd_apply import lean_apply
 from hyper_parallel.platform.torch import factories as tensor_factories
+from hyper_parallel.platform.torch import fully_shard_support
 from hyper_parallel.platform.torch.aten_kinds import aten_kind, foreach_to_single, written_arguments
 from hyper_parallel.platform.torch.collectives import Collectives
 from hyper_parallel.platform.torch.dtensor_base import TorchDTensorBase
@@ -340,6 +341,8 @@ class TorchPlatform(Platform):
         module.register_parameter(name, torch.nn.Parameter(value, requires_grad=value.requires_grad))
 
     named_buffers, set_buffer, create_tensor = tensor_factories.PLATFORM_METHODS  # DTensor factories
+    (free_storage, alloc_storage, untracked, swap_parameter, register_multi_grad_hook,
+     queue_backward_callback) = fully_shard_support.PLATFORM_METHODS  # fully_shard
 
     # ---------------------------------------------------------------- attention kernels
     @staticmethod

@@ -1,0 +1,108 @@
+"""fully_shard(module, mesh): ZeRO-3 / HSDP sharding of a module's parameters (docs/fully_shard.md).
+
+Applied bottom-up: each block, then the root. A call takes the parameters of ``module`` that no
+inner fully_shard call took, shards them on dim 0 over ``mesh`` and installs the hooks of
+``state.py``. Everything is checked before anything changes, and the checks use only what every
+rank has (arguments and the module), so every rank raises the same ValueError before any
+collective.
+"""
+from hyper_parallel.core.fully_shard.mesh_info import FSDPMeshInfo
+from hyper_parallel.core.fully_shard.mixed_precision import check_policy
+from hyper_parallel.core.fully_shard.param import FSDPParam
+from hyper_parallel.core.fully_shard.param_group import FSDPParamGroup
+from hyper_parallel.core.fully_shard.state import FSDPState
+from hyper_parallel.platform import get_platform
+
+
+def fully_shard(module, mesh, *, reshard_after_forward=True, mp_policy=None, average=True):
+    """Shard ``module``'s parameters (those no inner fully_shard took) on dim 0 over ``mesh``: a 1-D
+    mesh (ZeRO-3; a flattened dp×cp mesh too) or a 2-D ("dp_replicate", "dp_shard") mesh (HSDP).
+    Parameters are gathered before the module's forward and freed after it (kept with
+    ``reshard_after_forward=False``), gathered again for backward, and their gradients
+    reduce-scattered (averaged, or summed with ``average=False``). Adds ``unshard()``,
+    ``reshard()``, ``set_requires_gradient_sync(flag)``, ``set_reshard_after_forward(flag)`` and
+    ``set_reshard_after_backward(flag)`` to the module. Returns the module."""
+    _check_arguments(module, reshard_after_forward, average)
+    policy = check_policy(mp_policy)
+    mesh_info = FSDPMeshInfo(mesh)
+    owned = _own_parameters(module)
+    params = [FSDPParam(locations, param, mesh_info) for param, locations in owned]
+    group = FSDPParamGroup(params, mesh_info, policy, average)
+    group.reshard_after_forward = reshard_after_forward
+    state = FSDPState(module, group)
+    module._hp_fsdp_state = state
+    module.unshard = lambda async_op=False: _unshard(state, async_op)
+    module.reshard = group.reshard
+    module.set_requires_gradient_sync = lambda flag, recurse=True: _set(module, "requires_gradient_sync",
+                                                                        flag, recurse)
+    module.set_reshard_after_forward = lambda flag, recurse=True: _set(module, "reshard_after_forward",
+                                                                       flag, recurse)
+    module.set_reshard_after_backward = lambda flag, recurse=True: _set(module, "reshard_after_backward",
+                                                                        flag, recurse)
+    return module
+
+
+def _check_arguments(module, reshard_after_forward, average):
+    platform = get_platform()
+    if not isinstance(module, platform.Module):
+        raise ValueError(f"fully_shard(module={type(module).__name__}): pass a {platform.Module.__name__}")
+    if getattr(module, "_hp_fsdp_state", None) is not None:
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; apply it once "
+                         f"per module (each block, then the root)")
+    if getattr(module, "_hp_grad_reducer", None) is not None:
+        raise ValueError(f"this {type(module).__name__} is under data_parallel, which all-reduces whole "
+                         f"gradients; use fully_shard instead of data_parallel, not both")
+    for value, what in ((reshard_after_forward, "reshard_after_forward"), (average, "average")):
+        if not isinstance(value, bool):
+            raise ValueError(f"fully_shard({what}={value!r}): pass True or False")
+
+
+def _own_parameters(module):
+    """[(parameter, [(module, name), ...])] of ``module``'s parameters outside inner units, in
+    registration order; a parameter held by several modules (tied weights) appears once with every
+    place that holds it."""
+    platform = get_platform()
+    inner = set()
+    for _, sub in platform.named_modules(module):
+        if sub is not module and getattr(sub, "_hp_fsdp_state", None) is not None:
+            inner.update(id(m) for _, m in platform.named_modules(sub))
+    found = {}
+    for _, sub in platform.named_modules(module):
+        if id(sub) in inner:
+            continue
+        for name, param in platform.named_parameters(sub):
+            if param is None:
+                continue
+            found.setdefault(id(param), (param, []))[1].append((sub, name))
+    return list(found.values())
+
+
+def _unshard(state, async_op):
+    """Gather the module's parameters now; with ``async_op=True`` a handle whose ``wait()`` completes it."""
+    if state.schedule is None:
+        state._lazy_init()
+    state.group.unshard()
+    handle = _UnshardHandle(state.group)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+class _UnshardHandle:
+    def __init__(self, group):
+        self._group = group
+
+    def wait(self):
+        self._group.wait_for_unshard()
+
+
+def _set(module, field, flag, recurse):
+    if not isinstance(flag, bool):
+        raise ValueError(f"{field}: pass True or False, got {flag!r}")
+    platform = get_platform()
+    modules = [m for _, m in platform.named_modules(module)] if recurse else [module]
+    for m in modules:
+        state = getattr(m, "_hp_fsdp_state", None)
+        if state is not None:
+            setattr(state.group, field, flag)

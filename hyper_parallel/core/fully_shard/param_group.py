@@ -1,0 +1,138 @@
+"""The parameters of one fully_shard unit and their two collectives: one flat all-gather of every
+rank's padded shards (``unshard``) and one flat reduce-scatter of the gradients (``reduce_grads``).
+
+Layout of a rank's flat buffer: each parameter's padded piece at its ``offset``. The all-gather
+output is [ranks, flat size]; parameter p's full tensor is column block p, rows in rank order.
+The reduce-scatter input has that same layout, so each rank receives exactly its flat buffer.
+"""
+from hyper_parallel.core.fully_shard.mixed_precision import compute_dtypes
+from hyper_parallel.platform import get_platform
+
+SHARDED, UNSHARDING, UNSHARDED = "sharded", "unsharding", "unsharded"
+
+
+class FSDPParamGroup:
+    def __init__(self, params, mesh_info, policy, average):
+        self.params = params
+        self.mesh_info = mesh_info
+        self.policy = policy
+        self.op = "avg" if average else "sum"
+        self.flat_numel = 0
+        for p in params:
+            p.offset = self.flat_numel
+            self.flat_numel += p.padded_numel
+        self.state = SHARDED
+        self._gather = None          # the async all-gather while UNSHARDING
+        self._reduce = None          # (async reduction, parameters with a gradient) until backward ends
+        self.reshard_after_forward = True
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.ready = set()           # ids of parameters whose gradient this backward produced
+        self.trainable = [p for p in params if p.requires_grad]
+
+    def dtypes(self):
+        orig = self.params[0].orig_dtype if self.params else None
+        return compute_dtypes(self.policy, orig)
+
+    def lazy_init(self):
+        for p in self.params:
+            p.refresh()
+        dtypes = {p.orig_dtype for p in self.params}
+        if len(dtypes) > 1 and self.policy.param_dtype is None:
+            raise ValueError(f"fully_shard: one unit holds parameters of dtypes {sorted(map(str, dtypes))}; "
+                             f"its flat all-gather needs one: give them one dtype, or set "
+                             f"MixedPrecisionPolicy(param_dtype=...)")
+        for p in self.params:
+            p.init_unsharded(self.dtypes()[0])
+
+    # ------------------------------------------------------------------ parameters
+    def unshard(self):
+        """Launch the all-gather (asynchronous; ``wait_for_unshard`` completes it)."""
+        if self.state != SHARDED or not self.params:
+            self.state = UNSHARDED if not self.params else self.state
+            return
+        platform = get_platform()
+        local = self.params[0].sharded._local_tensor
+        flat = platform.zeros((self.flat_numel,), dtype=self.dtypes()[0], device=local.device)
+        with platform.no_grad():
+            for p in self.params:
+                p.copy_shard_into(flat)
+            self._gather = platform.all_gather(flat, self.mesh_info.shard_group, 0, async_op=True)
+        self.state = UNSHARDING
+
+    def wait_for_unshard(self):
+        if self.state == SHARDED:
+            self.unshard()
+        if self.state != UNSHARDING:
+            return
+        platform = get_platform()
+        gathered = self._gather.wait().view(self.mesh_info.shard_size, self.flat_numel)
+        self._gather = None
+        with platform.no_grad():
+            for p in self.params:
+                p.copy_gathered_out(gathered)
+                p.swap(p.unsharded)
+        self.state = UNSHARDED
+
+    def reshard(self):
+        if self.state == UNSHARDING:
+            self.wait_for_unshard()
+        if self.state != UNSHARDED:
+            return
+        for p in self.params:
+            p.free()
+            p.swap(p.sharded)
+        self.state = SHARDED
+
+    # ------------------------------------------------------------------ gradients
+    def mark_ready(self, param_id):
+        """Called as each unsharded gradient is accumulated; True once every trainable parameter of
+        the unit has its gradient (the unit's backward is over)."""
+        self.ready.add(param_id)
+        return len(self.ready) == len(self.trainable)
+
+    def reduce_grads(self):
+        """Launch the reduce-scatter of this backward's gradients (or keep them unreduced under
+        set_requires_gradient_sync(False)). Parameters without a gradient on this rank send zeros."""
+        reduce_dtype = self.dtypes()[1]
+        ready = self.ready
+        self.ready = set()
+        if not ready or self._reduce is not None:
+            return
+        platform = get_platform()
+        with platform.no_grad():
+            if not self.requires_gradient_sync:
+                for p in self.trainable:
+                    p.accumulate(reduce_dtype)
+                return
+            n = self.mesh_info.shard_size
+            flat = platform.zeros((n * self.flat_numel,), dtype=reduce_dtype,
+                                  device=self.params[0].sharded._local_tensor.device)
+            flat2d = flat.view(n, self.flat_numel)
+            with_grad = []
+            for p in self.trainable:
+                grad = p.take_grad()
+                if grad is not None:
+                    p.copy_grad_into(flat2d, grad)
+                    with_grad.append(p)
+            handle = platform.reduce_scatter(flat, self.mesh_info.shard_group, 0, op=self.op, async_op=True)
+        self._reduce = (handle, with_grad)
+
+    def start_replicate_reduce(self):
+        """HSDP: once the reduce-scatter is done, all-reduce the shard over dp_replicate (async)."""
+        if self._reduce is None or self.mesh_info.replicate_group is None:
+            return
+        handle, with_grad = self._reduce
+        self._reduce = (get_platform().all_reduce(handle.wait(), self.mesh_info.replicate_group, op=self.op,
+                                                  async_op=True), with_grad)
+
+    def finish_reduce(self):
+        """Wait for this unit's reduction and hand each parameter its sharded gradient."""
+        if self._reduce is None:
+            return
+        handle, with_grad = self._reduce
+        self._reduce = None
+        shard = handle.wait()
+        with get_platform().no_grad():
+            for p in with_grad:   # a parameter no backward reached keeps no gradient, as in one process
+                p.set_sharded_grad(shard)

@@ -1,0 +1,45 @@
+"""The order units run in, shared by every unit under one root: it decides what to prefetch.
+
+Forward prefetch follows the order of the previous forward (the first step: module registration
+order, which is the call order of a transformer's blocks); backward prefetch follows the reverse of
+this step's post-forward order, which is the order backward reaches the units. Every rank runs
+the same model, so every rank prefetches the same units in the same order and the collectives of
+the shared group stay matched.
+"""
+
+
+class Schedule:
+    def __init__(self, states):
+        self.states = states                 # every unit under the root, root first
+        self.forward_order = list(states)    # until a forward has been seen
+        self._pre = []
+        self._post = []
+        self.backward_order = []
+        self.pending_final = False           # the end-of-backward callback is queued
+
+    def begin_forward(self):
+        self._pre, self._post = [], []
+
+    def record_pre_forward(self, state):
+        self._pre.append(state)
+
+    def record_post_forward(self, state):
+        self._post.append(state)
+        self.backward_order = list(reversed(self._post))
+
+    def end_forward(self):
+        if self._pre:
+            self.forward_order = list(self._pre)
+
+    @staticmethod
+    def _after(order, state):
+        for i, s in enumerate(order):
+            if s is state:
+                return order[i + 1] if i + 1 < len(order) else None
+        return None
+
+    def next_forward(self, state):
+        return self._after(self.forward_order, state)
+
+    def next_backward(self, state):
+        return self._after(self.backward_order, state)

@@ -1,0 +1,135 @@
+"""The hooks of one fully_shard unit, and the root's per-step duties.
+
+Per unit, in forward: gather (waiting for a prefetched all-gather), issue the next unit's
+all-gather, compute, free (``reshard_after_forward``), and hook the outputs so that the first
+gradient reaching them re-gathers the unit (and issues the next unit's all-gather in backward
+order) before its backward computes. Each parameter's gradient-ready hook counts the unit's
+gradients; the last launches the unit's reduce-scatter and frees its parameters. The root (the
+outermost unit that runs) initialises everything lazily on its first forward (after ``to_empty``)
+and, at the end of every backward, waits for the reductions and hands out the sharded gradients.
+"""
+from hyper_parallel.core.dtensor.tree import tree_flatten
+from hyper_parallel.core.fully_shard.param_group import UNSHARDED
+from hyper_parallel.core.fully_shard.schedule import Schedule
+from hyper_parallel.platform import get_platform
+
+
+class FSDPState:
+    def __init__(self, module, group):
+        self.module = module
+        self.group = group
+        self.schedule = None     # shared with the root once the root initialised
+        self.is_root = False
+        self._remove_grad_hooks = None
+        platform = get_platform()
+        platform.register_forward_pre_hook(module, self._pre_forward, with_kwargs=True)
+        platform.register_forward_hook(module, self._post_forward, with_kwargs=True)
+
+    # ------------------------------------------------------------------ lazy initialisation
+    def _lazy_init(self):
+        """This unit is the first to run: it becomes the root of every unit below it."""
+        platform = get_platform()
+        states = [s for _, m in platform.named_modules(self.module)
+                  if (s := getattr(m, "_hp_fsdp_state", None)) is not None]
+        schedule = Schedule(states)
+        for state in states:
+            state.schedule = schedule
+            state.is_root = state is self
+            state.group.lazy_init()
+        if self._remove_grad_hooks is None:
+            by_id = {}
+            for state in states:
+                for p in state.group.trainable:
+                    by_id[id(p.unsharded)] = state.group
+            self._grad_owner = by_id
+            self._remove_grad_hooks = platform.register_grad_ready_hooks(
+                [p.unsharded for s in states for p in s.group.trainable], self._on_grad_ready, self._finish_backward)
+
+    # ------------------------------------------------------------------ forward
+    def _pre_forward(self, module, args, kwargs):
+        if self.schedule is None:
+            self._lazy_init()
+        if self.is_root:
+            for state in self.schedule.states:  # parameters replaced since (to_empty, load)
+                if state.group.state != UNSHARDED:
+                    for p in state.group.params:
+                        p.refresh()
+            self.schedule.begin_forward()
+        self.schedule.record_pre_forward(self)
+        self.group.wait_for_unshard()
+        following = self.schedule.next_forward(self)
+        if following is not None:
+            following.group.unshard()    # overlaps this unit's compute
+        policy = self.group.policy
+        if policy.param_dtype is not None and policy.cast_forward_inputs:
+            args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
+        return args, kwargs
+
+    def _post_forward(self, module, args, kwargs, output):
+        self.schedule.record_post_forward(self)
+        platform = get_platform()
+        training = platform.is_grad_enabled()
+        # the root keeps its parameters for the backward that starts with them (as PyTorch's FSDP2)
+        if self.group.reshard_after_forward and not (self.is_root and training):
+            self.group.reshard()
+        if self.is_root:
+            self.schedule.end_forward()
+        tensors = [t for t in tree_flatten(output)[0] if platform.is_tensor(t) and platform.requires_grad(t)]
+        if tensors and training:
+            platform.register_multi_grad_hook(tensors, self._pre_backward)
+        if self.group.policy.output_dtype is not None:
+            output = _cast_floating(output, self.group.policy.output_dtype)
+        return output
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward(self):
+        if self.is_root and not self.schedule.pending_final:
+            self.schedule.pending_final = True
+            get_platform().queue_backward_callback(self._finish_backward)
+        self.group.wait_for_unshard()
+        following = self.schedule.next_backward(self)
+        if following is not None:
+            following.group.unshard()
+
+    def _on_grad_ready(self, param):
+        group = self._grad_owner[id(param)]
+        if group.mark_ready(id(param)):
+            group.reduce_grads()
+            # every trainable parameter is done; frozen ones may still be read by backward
+            if group.reshard_after_backward and len(group.trainable) == len(group.params):
+                group.reshard()
+
+    def _finish_backward(self):
+        """End of backward: launch what unused parameters held back, wait for every reduction in
+        launch order, hand out the sharded gradients, free what is still gathered."""
+        schedule = self.schedule
+        if schedule is None:
+            return
+        schedule.pending_final = False
+        groups = [s.group for s in schedule.states]
+        for group in groups:
+            if group.ready:
+                group.reduce_grads()
+        for group in groups:
+            group.start_replicate_reduce()
+        for group in groups:
+            group.finish_reduce()
+        for group in groups:
+            if group.reshard_after_backward:
+                group.reshard()
+
+
+def _cast_floating(tree, dtype):
+    """Floating tensors of a nested (tuple / list / dict) structure cast to ``dtype``."""
+    platform = get_platform()
+    if platform.is_tensor(tree):
+        return tree.to(dtype) if platform.is_floating_point(tree) and tree.dtype != dtype else tree
+    if isinstance(tree, (tuple, list)):
+        items = [_cast_floating(x, dtype) for x in tree]
+        return type(tree)(items) if type(tree) in (tuple, list) else type(tree)(*items)
+    if isinstance(tree, dict):
+        out = dict(tree) if type(tree) is dict else tree   # a model's output class is filled in place
+        for key in list(out):
+            out[key] = _cast_floating(out[key], dtype)
+        return out
+    return tree

@@ -1,0 +1,41 @@
+"""What fully_shard needs from torch beyond collectives: freeing and re-allocating a parameter's
+memory in place, writes autograd does not track, parameter swaps and backward hooks."""
+import torch
+
+
+def free_storage(tensor):
+    """Resize the storage to nothing: the tensor object (and autograd's saved references to it)
+    survive, so re-allocating and refilling it before backward makes them valid again."""
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def alloc_storage(tensor):
+    storage = tensor.untyped_storage()
+    nbytes = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+
+
+def untracked(tensor):
+    """``tensor.data``: same memory, its own version counter, so refilling a parameter that autograd
+    saved in forward does not fail backward's "modified by an inplace operation" check."""
+    return tensor.data
+
+
+def swap_parameter(module, name, value):
+    # straight into the registry: register_parameter would wrap a non-Parameter in a new object
+    module._parameters[name] = value
+
+
+def register_multi_grad_hook(tensors, hook):
+    return torch.autograd.graph.register_multi_grad_hook(tuple(tensors), lambda grad: hook(), mode="any")
+
+
+def queue_backward_callback(callback):
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+PLATFORM_METHODS = tuple(staticmethod(f) for f in (free_storage, alloc_storage, untracked, swap_parameter,
+                                                    register_multi_grad_hook, queue_backward_callback))
