@@ -29,19 +29,23 @@ def _sub_mesh(mesh, name, role):
     return sub
 
 
-def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", **context_parallel_kwargs):
+def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shard",
+                      **context_parallel_kwargs):
     """Tensor parallelism on mesh dim ``tp`` (the model's ``base_model_tp_plan``) and context-parallel
     attention on mesh dim ``cp`` (``context_parallel_kwargs`` go to ``ContextParallel``, e.g.
     ``ulysses_degree=1``, ``load_balance=True``, ``kv_exchange="ring"``). A dim absent from the
     mesh (or ``None``) is skipped. Call the model with each rank's sequence block of every per-token
-    input (``shard_sequence``). Returns the model."""
+    input (``shard_sequence``). A ``dp_shard`` dim applies ``fully_shard`` to each decoder layer and the
+    root (hf_fully_shard.py; then no data_parallel is needed). Returns the model."""
     if getattr(model, "_hp_parallelized", False):
         raise ValueError("parallelize_model was already applied to this model")
     tp_mesh = _sub_mesh(device_mesh, tp, "tensor-parallel")
     cp_mesh = _sub_mesh(device_mesh, cp, "context-parallel")
-    if tp_mesh is None and cp_mesh is None:
-        raise ValueError(f"parallelize_model: the mesh {device_mesh.mesh_dim_names} has neither a {tp!r} "
-                         f"nor a {cp!r} dim; name the mesh dims (mesh_dim_names=...) or pass tp=/cp=")
+    fsdp = dp_shard is not None and dp_shard in (device_mesh.mesh_dim_names or ())
+    if tp_mesh is None and cp_mesh is None and not fsdp:
+        raise ValueError(f"parallelize_model: the mesh {device_mesh.mesh_dim_names} has neither a {tp!r}, "
+                         f"a {cp!r} nor a {dp_shard!r} dim; name the mesh dims (mesh_dim_names=...) or pass "
+                         f"tp=/cp=/dp_shard=")
     if context_parallel_kwargs and cp_mesh is None:
         raise ValueError(f"parallelize_model: context-parallel options {sorted(context_parallel_kwargs)} "
                          f"given but the mesh has no {cp!r} dim")
@@ -51,5 +55,8 @@ def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", **context_paralle
         apply_tensor_parallel(model, tp_mesh)
     if state is not None:
         apply_context_parallel(model, state, context_parallel_kwargs)
+    if fsdp:
+        from hyper_parallel.integrations.hf_fully_shard import apply_fully_shard
+        apply_fully_shard(model, device_mesh, dp_shard, cp if cp_mesh is not None else None)
     model._hp_parallelized = True
     return model

@@ -1,0 +1,44 @@
+"""fully_shard inside ``parallelize_model(..., dp_shard="dp_shard")``: each decoder layer, then the root.
+
+The sharding mesh is the ``dp_shard`` dim; with a ``cp`` dim it is the flattened (dp_shard, cp)
+mesh, because context-parallel ranks see different tokens and their gradients must be reduced too
+(torchtitan's dp_shard_cp); with a ``dp_replicate`` dim (and no cp) it is the 2-D HSDP mesh.
+"""
+from hyper_parallel.core.fully_shard import fully_shard
+from hyper_parallel.platform import get_platform
+
+
+def shard_mesh(mesh, dp_shard, cp):
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim == 1:
+        return mesh
+    if cp is not None:
+        if "dp_replicate" in names:
+            raise ValueError(f"parallelize_model: a mesh with dims {names} has dp_replicate, {dp_shard!r} "
+                             f"and {cp!r}: HSDP with context parallelism is not supported here; fold "
+                             f"dp_replicate into {dp_shard!r}, or apply fully_shard yourself")
+        return mesh[dp_shard, cp].flatten(f"{dp_shard}_{cp}")
+    if "dp_replicate" in names:
+        if dp_shard != "dp_shard":
+            raise ValueError(f"parallelize_model: HSDP needs the shard dim named 'dp_shard', got {dp_shard!r}")
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh[dp_shard]
+
+
+def decoder_layers(model):
+    """The model's decoder layers (``model.model.layers`` in the Llama family)."""
+    platform = get_platform()
+    for name, module in platform.named_modules(model):
+        if name.split(".")[-1] == "layers" and hasattr(module, "__len__") and len(module):
+            return list(module)
+    raise ValueError(f"parallelize_model(dp_shard=...): {type(model).__name__} has no 'layers' module list to "
+                     f"shard layer by layer; apply hyper_parallel.fully_shard to its blocks yourself")
+
+
+def apply_fully_shard(model, mesh, dp_shard, cp):
+    """fully_shard each decoder layer, then the whole model, over ``shard_mesh(...)``."""
+    sharding = shard_mesh(mesh, dp_shard, cp)
+    for layer in decoder_layers(model):
+        fully_shard(layer, sharding)
+    fully_shard(model, sharding)
+    return model
