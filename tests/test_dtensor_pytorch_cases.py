@@ -322,3 +322,49 @@ def _register_sharding_cases(rank, world_size):
 
 def test_register_sharding():
     assert run_dist(2, _register_sharding_cases) == [True] * 2
+
+
+# ---------------------------------------------------------------- ops that left the replicated fallback
+def _no_fallback_ops(rank, world_size):
+    """test_dtensor_ops.py's ops that took the replicated fallback (forward or backward): the
+    gradients of chunk / split / unbind / hstack (aten cat / stack / split), softmin and
+    _safe_softmax (aten _softmax, _softmax_backward_data), dot / vdot / inner, constant padding.
+    Each now runs through a rule: forward and gradient equal one device, no fallback."""
+    import torch
+    import torch.nn.functional as F
+    from hyper_parallel import Replicate, Shard, distribute_tensor
+    from hyper_parallel.core.dtensor.fallback import recording_fallbacks
+    mesh = _mesh(world_size)
+    cases = {
+        "chunk": (lambda t: torch.cat([c * (i + 1) for i, c in enumerate(t.chunk(2, 1))], 1), (6, 8)),
+        "split": (lambda t: torch.stack([c.sum(1) for c in t.split([3, 5], 1)]), (6, 8)),
+        "unbind": (lambda t: sum(u * (i + 1) for i, u in enumerate(t.unbind(1))), (6, 4)),
+        "hstack": (lambda t: torch.hstack([t, 2 * t]), (6, 4)),
+        "softmin": (lambda t: F.softmin(t, dim=1), (6, 5)),
+        "safe_softmax": (lambda t: torch.ops.aten._safe_softmax(t, 1), (6, 5)),
+        "dot": (lambda t: torch.dot(t, t.flip(0)), (8,)),
+        "inner": (lambda t: torch.inner(t, 2 * t), (8,)),
+        "pad": (lambda t: F.pad(t, (1, 2), value=0.5), (6, 4)),
+        "constant_pad_nd": (lambda t: torch.constant_pad_nd(t, (0, 0, 1, 1)), (6, 4)),
+    }
+    failures = []
+    for name, (fn, shape) in cases.items():
+        full = torch.randn(shape, dtype=torch.float64)
+        ref = full.clone().requires_grad_()
+        want = fn(ref)
+        weight = torch.randn(want.shape, dtype=torch.float64)
+        (want * weight).sum().backward()
+        dt = distribute_tensor(full, mesh, [Shard(0)]).requires_grad_()
+        with recording_fallbacks() as fell_back:
+            got = fn(dt)
+            (got * distribute_tensor(weight, mesh, [Replicate()])).sum().backward()
+        if fell_back:
+            failures.append(f"{name}: fallback for {sorted(fell_back)}")
+        torch.testing.assert_close(got.full_tensor(), want.detach(), msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(dt.grad.full_tensor(), ref.grad, msg=lambda m: f"{name} grad: {m}")
+    assert not failures, failures
+    return True
+
+
+def test_former_fallback_ops_run_through_rules():
+    assert run_dist(2, _no_fallback_ops) == [True] * 2

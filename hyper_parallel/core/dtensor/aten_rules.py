@@ -45,6 +45,14 @@ _RULE_OF = {
     "mm": "matmul", "bmm": "matmul", "mv": "matmul", "t": "t", "transpose": "transpose",
     "permute": "permute", "view": "view", "_unsafe_view": "view", "squeeze": "view", "expand": "expand",
     "sum": "sum", "flip": "flip",
+    # backward of chunk / split / unbind / stack (gradients concatenated or split), and the aten
+    # forms of ops with a user-level rule (softmin, _safe_softmax, inner, F.pad's constant mode)
+    "cat": "cat", "stack": "stack", "split": "split", "split_with_sizes": "split",
+    "unsafe_split": "split", "unsafe_split_with_sizes": "split", "unsafe_chunk": "chunk",
+    "chunk": "chunk", "unbind": "unbind",
+    "_softmax": "softmax", "_log_softmax": "softmax", "_safe_softmax": "softmax",
+    "dot": "matmul", "vdot": "matmul", "constant_pad_nd": "pad", "unbind_copy": "unbind",
+    "_softmax_backward_data": "softmax_backward",
     # of another size than the input (the gradient of x[idx] starts as grad.new_zeros(x.shape))
     "new_zeros": "new_factory", "new_ones": "new_factory", "new_full": "new_factory",
     "new_empty": "new_factory",
@@ -130,7 +138,7 @@ def _run(func, mode, rule_name, mesh, target, leaves, structure):
                   [x for x in leaves if isinstance(x, DTensor)],
                   meta_fn=lambda: _meta_shapes(functional, call_args, call_kwargs))
     shapes = call.out_shapes   # torch's own checks of the call (an in-place result it cannot cast...)
-    if len(shapes) != 1:
+    if len(shapes) != 1 and mode != _FUNCTION:
         return NotImplemented
     if mode == _OUT and tuple(shapes[0]) != tuple(target.shape):
         raise ValueError(f"{_names(func)}(..., out=) into a DTensor of shape {tuple(target.shape)}: the "
@@ -155,11 +163,21 @@ def _run(func, mode, rule_name, mesh, target, leaves, structure):
         local_kwargs["_hp_out_like"] = target._local_tensor
     result = strategy.local(call, local_args, local_kwargs) if strategy.local is not None \
         else functional(*local_args, **local_kwargs)
+    if isinstance(result, (tuple, list)):   # split / unbind: one DTensor per piece
+        return _wrap_pieces(result, strategy.outputs, mesh, call.out_shapes)
     value = DTensor._make(result, DTensorSpec(mesh, tuple(out), tuple(call.out_shapes[0])))
     if target is None:
         return value
     target._local_tensor.copy_(as_layout(value, target._spec)._local_tensor)
     return target
+
+
+def _wrap_pieces(result, outputs, mesh, shapes):
+    """The pieces of a multi-output op, each in its placements (one list per output, or the same
+    placements for every output)."""
+    per = outputs if isinstance(outputs, list) else [outputs] * len(shapes)
+    return type(result)(DTensor._make(r, DTensorSpec(mesh, tuple(p), tuple(s)))
+                        for r, p, s in zip(result, per, shapes))
 
 
 def _meta_shapes(functional, args, kwargs):

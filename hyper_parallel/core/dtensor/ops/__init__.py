@@ -19,6 +19,7 @@ from hyper_parallel.core.dtensor.ops import (  # noqa: F401  (registration side 
     matmul,
     norms,
     npu_attention,
+    pad,
     reductions,
     slicing,
     scan,
