@@ -96,8 +96,9 @@ class DTensor(get_platform().DTensorBase):
             # as PyTorch: a rank outside the mesh holds an empty piece and joins no collective
             return DTensor._make(_empty_like(local_tensor), spec,
                                  requires_grad=bool(get_platform().requires_grad(local_tensor)))
-        key = (device_mesh, repr(tuple(given)), None if shape is None else tuple(int(s) for s in shape),
-               tuple(local_tensor.shape), rc.dtype_name(local_tensor.dtype))
+        # hashed on every call (the TP hooks' hot path): placements and dtypes hash by value
+        key = (device_mesh, tuple(given), None if shape is None else tuple(int(s) for s in shape),
+               tuple(local_tensor.shape), local_tensor.dtype)
         if run_check or problem is not None or rc.needs_check(key):
             rc.check_pieces(local_tensor, device_mesh, given, spec, shape is not None, problem,
                             "DTensor.from_local(run_check=True)" if run_check else "DTensor.from_local")
