@@ -77,7 +77,6 @@ def _collectives(rank, mesh, raf):
 
 def _accumulation(rank, mesh, n):
     """Two micro-batches, the first under set_requires_gradient_sync(False): one reduction of the sum."""
-    import torch
     from hyper_parallel import CommDebugMode
     from tests import fully_shard_models as fm
     ref = fm.net()
@@ -92,7 +91,6 @@ def _accumulation(rank, mesh, n):
     fm.reference_step(ref, 0, range(n), 1.0 / n)
     fm.reference_step(ref, 1, range(n), 1.0 / n)
     fm.assert_grads(model, ref, "accumulated")
-    del torch
 
 
 def _small_world_case(rank, world_size):
@@ -128,11 +126,9 @@ def _large_world_case(rank, world_size):
     cp_root = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
 
     def cp_fsdp(model):
-        from hyper_parallel import ContextParallel as CP
         for block in model.blocks:
-            CP(seq_dim=2, head_dim=1, use_local_output=True).apply(block.attn, cp_root["cp"])
+            ContextParallel(seq_dim=2, head_dim=1, use_local_output=True).apply(block.attn, cp_root["cp"])
         return fm.shard_net(model, cp_root["dp", "cp"].flatten("dp_cp"))
-    del ContextParallel
     _train(cp_fsdp, cp_root.get_local_rank(0), 2, what="dp x cp", model_fn=lambda: fm.net_attn(),
            batch_fn=fm.seq_batch, local_input=lambda x: shard_sequence(x, cp_root["cp"]))
     return True

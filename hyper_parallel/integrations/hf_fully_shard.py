@@ -20,7 +20,8 @@ def shard_mesh(mesh, dp_shard, cp):
         return mesh[dp_shard, cp].flatten(f"{dp_shard}_{cp}")
     if "dp_replicate" in names:
         if dp_shard != "dp_shard":
-            raise ValueError(f"parallelize_model: HSDP needs the shard dim named 'dp_shard', got {dp_shard!r}")
+            raise ValueError(f"parallelize_model: HSDP needs the shard dim named 'dp_shard', got "
+                             f"{dp_shard!r}")
         return mesh["dp_replicate", "dp_shard"]
     return mesh[dp_shard]
 
@@ -31,8 +32,8 @@ def decoder_layers(model):
     for name, module in platform.named_modules(model):
         if name.split(".")[-1] == "layers" and hasattr(module, "__len__") and len(module):
             return list(module)
-    raise ValueError(f"parallelize_model(dp_shard=...): {type(model).__name__} has no 'layers' module list to "
-                     f"shard layer by layer; apply hyper_parallel.fully_shard to its blocks yourself")
+    raise ValueError(f"parallelize_model(dp_shard=...): {type(model).__name__} has no 'layers' module list "
+                     f"to shard layer by layer; apply hyper_parallel.fully_shard to its blocks yourself")
 
 
 def apply_fully_shard(model, mesh, dp_shard, cp):

@@ -58,7 +58,8 @@ class FSDPParam:
         parameter objects); must run while sharded."""
         module, attr = self.locations[0]
         current = dict(get_platform().named_parameters(module)).get(attr)
-        if current is not self.sharded and isinstance(current, DTensor) and current._spec == self.sharded._spec:
+        replaced = current is not self.sharded and isinstance(current, DTensor)
+        if replaced and current._spec == self.sharded._spec:
             self.sharded = current
             self.swap(current)
         local = self.sharded._local_tensor
@@ -79,7 +80,8 @@ class FSDPParam:
             self.unsharded = platform.Parameter(self.unsharded_local, requires_grad=self.requires_grad)
             self.unsharded_local = self.unsharded
         else:
-            self.unsharded = DTensor._make(self.unsharded_local, self.tp_spec, requires_grad=self.requires_grad)
+            self.unsharded = DTensor._make(self.unsharded_local, self.tp_spec,
+                                           requires_grad=self.requires_grad)
         platform.free_storage(self.unsharded_local)
 
     # ------------------------------------------------------------------ all-gather side

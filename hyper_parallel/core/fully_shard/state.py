@@ -42,8 +42,9 @@ class FSDPState:
                 for p in state.group.trainable:
                     by_id[id(p.unsharded)] = state.group
             self._grad_owner = by_id
-            self._remove_grad_hooks = platform.register_grad_ready_hooks(
-                [p.unsharded for s in states for p in s.group.trainable], self._on_grad_ready, self._finish_backward)
+            trainable = [p.unsharded for s in states for p in s.group.trainable]
+            self._remove_grad_hooks = platform.register_grad_ready_hooks(trainable, self._on_grad_ready,
+                                                                         self._finish_backward)
 
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, module, args, kwargs):
