@@ -21,7 +21,8 @@ def _meta_dtensor_case(rank, world_size):
                DTensor.from_local(torch.empty(3, 6, device="meta"), mesh, [Replicate()], run_check=True)]
     assert set(comm.get_comm_counts()) == {"shape_check"}, comm.get_comm_counts()  # metadata only
     rows = torch.empty(2 * world_size + 1).chunk(world_size)[rank].shape[0]
-    assert [d.shape for d in dts] == [(2 * world_size + 1, 6), (2 * world_size + 1, 6), (2 * world_size, 6), (3, 6)]
+    rows_all = 2 * world_size + 1
+    assert [d.shape for d in dts] == [(rows_all, 6), (rows_all, 6), (2 * world_size, 6), (3, 6)]
     assert [d.to_local().shape for d in dts] == [(rows, 6), (2 * world_size + 1, 6), (2, 6), (3, 6)]
     assert all(d.to_local().is_meta for d in dts)
     # ranks that disagree are caught on meta tensors too, on every rank

@@ -91,7 +91,8 @@ def replicate_values(rank, world_size):
         bumped = x + (0.5 if rank == 1 else 0.0)            # one rank's TP input is off by 0.5
         expect_error(ValueError, lambda: mlp(t(bumped.astype(np.float32))), "ColwiseParallel",
                      "max difference 0.5")
-        expect_error(ValueError, lambda: distribute_tensor(t(mine), mesh, src_data_rank=None), "max difference")
+        expect_error(ValueError, lambda: distribute_tensor(t(mine), mesh, src_data_rank=None),
+                     "max difference")
         out = mlp(t(x))                                     # agreeing inputs pass under debug
         _in_step(mesh, "debug")
     finally:
@@ -126,7 +127,8 @@ def sequence_parallel_uneven(rank, world_size):
     os.environ["HP_DTENSOR_DEBUG"] = "1"
     try:
         mine = x[:, :1] if rank == 0 else x[:, 2 * rank - 1:2 * rank + 1]
-        expect_error(ValueError, lambda: model(t(mine)), "SequenceParallel(sequence_dim=1)", "pad the sequence")
+        expect_error(ValueError, lambda: model(t(mine)), "SequenceParallel(sequence_dim=1)",
+                     "pad the sequence")
         _in_step(mesh, "SequenceParallel (debug)")
     finally:
         os.environ.pop("HP_DTENSOR_DEBUG", None)
