@@ -11,7 +11,7 @@ torch.distributed.fsdp.fully_shard where it runs here. It prints, per rank:
   (N−1)/N · (3 · unit bytes + 2 · root bytes): every unit is gathered for forward and again for
   backward and reduce-scattered once; the root keeps its parameters from forward to backward (as
   FSDP2), so it is gathered once; with --no-reshard every unit is gathered once, 2 · P;
-* step time (forward + backward + AdamW), the three interleaved round by round, medians and
+* step time (forward + backward + fused AdamW), the three interleaved round by round, medians and
   ratios (this machine is shared and noisy: only ratios measured in one run mean anything).
 """
 import argparse
@@ -129,7 +129,9 @@ def run_rank(args):
     rank = torch.distributed.get_rank()
     x = torch.randn(args.batch, args.hidden, generator=torch.Generator().manual_seed(rank))
     setups = _setups(torch, args, mesh)
-    runs = {k: (m, torch.optim.AdamW(m.parameters(), lr=1e-3)) for k, m in setups.items()
+    # fused AdamW for all three: one kernel call over the local shards (the per-tensor default on CPU
+    # dispatches every DTensor op separately, which would time the dispatcher rather than sharding)
+    runs = {k: (m, torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)) for k, m in setups.items()
             if not isinstance(m, str)}
     for model, opt in runs.values():
         _step(torch, model, opt, x)     # warm-up: optimizer state exists

@@ -57,9 +57,14 @@ def _collectives(rank, mesh, raf):
     from hyper_parallel import get_platform
     from tests import fully_shard_models as fm
     model = fm.shard_net(fm.net(), mesh, reshard_after_forward=raf)
-    events = []
+    events, gathered = [], []
+    units = [model.blocks[0], model.blocks[1]]
+
+    def compute(i):
+        events.append(f"compute block {i}")
+        gathered.append(sum(u._hp_fsdp_state.group.state != "sharded" for u in units))
     for i, block in enumerate(model.blocks):
-        block.up.register_forward_pre_hook(lambda *a, i=i: events.append(f"compute block {i}"))
+        block.up.register_forward_pre_hook(lambda *a, i=i: compute(i))
     observer = (lambda op, nbytes, ranks: events.append(op))
     get_platform().add_comm_observer(observer)
     try:
@@ -73,6 +78,40 @@ def _collectives(rank, mesh, raf):
     assert events == forward + backward, events
     if raf:  # block 0's all-gather was issued before block 1's gradients were reduced
         assert events.index("reduce_scatter") > len(forward) + 1
+        assert gathered == [2, 1], gathered   # block 0 computing with block 1 prefetched; then block 1 alone
+    assert all(u._hp_fsdp_state.group.state == "sharded" for u in units + [model])
+
+
+def _memory_and_methods(rank, mesh, n):
+    """Per-rank parameter + gradient + AdamW bytes are total / N (plus padding); unshard() / reshard()
+    swap the whole parameters in and out; set_reshard_after_backward(False) keeps them gathered."""
+    import torch
+    from hyper_parallel import DTensor
+    from tests import fully_shard_models as fm
+    ref = fm.net()
+    model = fm.shard_net(fm.net(), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fm.loss_fn(model(fm.batch(0, rank))).backward()
+    opt.step()
+    held = sum(t.to_local().numel() for p in model.parameters() for t in [p, p.grad, *opt.state[p].values()]
+               if t.ndim)
+    total = 4 * sum(p.numel() for p in ref.parameters())
+    padding = 4 * sum(-(-p.shape[0] // n) * n * p[0].numel() - p.numel() for p in ref.parameters())
+    assert held <= (total + padding) / n, (held, total / n)
+    block = model.blocks[0]
+    block.unshard()
+    assert not any(isinstance(p, DTensor) for p in block.parameters())
+    for p, q in zip(block.parameters(), ref.blocks[0].parameters()):
+        assert p.shape == q.shape
+    block.reshard()
+    assert all(isinstance(p, DTensor) for p in block.parameters())
+    model.set_reshard_after_backward(False)
+    fm.loss_fn(model(fm.batch(1, rank))).backward()
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+    model.reshard()
+    for b in model.blocks:
+        b.reshard()
+    assert all(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _accumulation(rank, mesh, n):
@@ -105,6 +144,7 @@ def _small_world_case(rank, world_size):
     for raf in (True, False):
         _collectives(rank, mesh, raf)
     _accumulation(rank, mesh, world_size)
+    _memory_and_methods(rank, mesh, world_size)
     return True
 
 
