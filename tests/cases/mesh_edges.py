@@ -33,6 +33,9 @@ def mesh_shape_validation(rank, world_size):
                           ((2.0, world_size // 2), "2.0"), ((world_size, 2), "holds"),
                           ((3, -1), "not divisible"), ((), "none")]:
         expect_error(ValueError, lambda: init_device_mesh("cpu", bad), "mesh_shape", fragment)
+    from hyper_parallel import DeviceMesh
+    expect_error(ValueError, lambda: DeviceMesh("cpu", [0, world_size]), f"rank(s) [{world_size}] outside")
+    expect_error(ValueError, lambda: DeviceMesh("cpu", [[-1, 0]]), "rank(s) [-1] outside")
     mesh = init_device_mesh("cpu", (-1, 2), mesh_dim_names=("x", "y"))
     assert mesh.mesh_shape == (world_size // 2, 2), mesh.mesh_shape
     assert mesh.get_coordinate() == (rank // 2, rank % 2)

@@ -54,6 +54,11 @@ class DeviceMesh:
         self._timeout = _timeout
         if not platform.is_initialized():
             platform.init_process_group()
+        world = platform.get_world_size()
+        outside = sorted({int(r) for r in array.reshape(-1) if not 0 <= r < world})
+        if outside:  # the framework would fail later, inside group creation, with its own message
+            raise ValueError(f"mesh {array.tolist()} names rank(s) {outside} outside the world of {world} "
+                             f"ranks (0..{world - 1}); build the mesh from ranks that exist")
         self._rank = platform.get_rank()
         where = np.argwhere(array == self._rank)
         self._coordinate = tuple(int(c) for c in where[0]) if len(where) else None
