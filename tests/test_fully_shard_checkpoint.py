@@ -1,7 +1,8 @@
 """fully_shard: meta-device initialisation (each rank allocates only its shard; the result equals
 one process), torch.distributed.checkpoint of model and AdamW state saved on 4 ranks and loaded
 into 2 ranks (training continues as in one process) and into one process as plain tensors, and the
-ValueErrors every rank raises before any collective."""
+ValueErrors every rank raises before any collective, and a rank that skips a step failing the
+others within the mesh's timeout."""
 from tests.harness import run_dist
 
 STEPS = 2
@@ -115,6 +116,26 @@ def _errors(rank, world_size):
     fully_shard(meta, mesh)
     with pytest.raises(ValueError, match="to_empty"):
         meta(fm.batch(0, rank))
+
+
+def _skipped_forward(rank, world_size, timeout):
+    """A rank that skips the step makes the other fail in fully_shard's all-gather within the
+    mesh's timeout, with an error naming the collective (a timeout no other case uses: its gloo
+    group is not used again)."""
+    import pytest
+    from hyper_parallel import init_device_mesh
+    from tests import fully_shard_models as fm
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",), timeout=timeout)
+    model = fm.shard_net(fm.net(), mesh)
+    if rank == world_size - 1:
+        return None
+    with pytest.raises(TimeoutError, match="all_gather"):
+        model(fm.batch(0, rank))
+    return True
+
+
+def test_a_rank_that_skips_the_step_fails_the_others_within_the_timeout():
+    assert run_dist(2, _skipped_forward, 2.75, timeout=60) == [True, None]
 
 
 def test_meta_init_and_checkpoint_4_to_2_to_1(tmp_path):
