@@ -36,6 +36,10 @@ class FSDPState:
             state.schedule = schedule
             state.is_root = state is self
             state.group.lazy_init()
+            if state is not self and state._remove_grad_hooks is not None:
+                # it ran alone before and was its own root; this root's hooks cover it now
+                state._remove_grad_hooks()
+                state._remove_grad_hooks = None
         if self._remove_grad_hooks is None:
             by_id = {}
             for state in states:
