@@ -67,6 +67,7 @@ _EXPLICIT = {
                 torch.scatter_reduce, torch.Tensor.scatter_reduce],
     "new_factory": [torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_full,
                     torch.Tensor.new_empty],
+    "pad": [F.pad],
 }
 # ops along one dim (ops/whole_dim.py, ops/scan.py): the rule name is the torch name
 for _name in ("argmax", "argmin", "median", "nanmedian", "mode", "kthvalue", "prod", "topk", "sort",
