@@ -10,7 +10,7 @@ Measured in the same run as the ring row, on the same local blocks:
 A ring that overlaps perfectly costs max(compute, P2P); the line prints its fwd+bwd time over
 that bound (goal <= 1.15x). The slowest rank counts for every number.
 """
-from hyper_parallel.core.context_parallel.ring import RingLayout, ring_attention
+from hyper_parallel.core.context_parallel.ring.ring_attention import RingLayout, ring_attention
 from hyper_parallel.platform import get_platform
 
 GOAL = 1.15

@@ -54,9 +54,9 @@ def _peak(torch, fn, tensors, repeat):
 def run_rank(args):
     import torch
     import torch.nn.functional as F
-    from hyper_parallel.core.context_parallel.masks import attention_masks
-    from hyper_parallel.core.context_parallel.masked_ring import masked_ring_attention
-    from hyper_parallel.core.context_parallel.ring import RingLayout, ring_attention
+    from hyper_parallel.core.context_parallel.masks.attention_masks import attention_masks
+    from hyper_parallel.core.context_parallel.masks.masked_ring import masked_ring_attention
+    from hyper_parallel.core.context_parallel.ring.ring_attention import RingLayout, ring_attention
     from hyper_parallel.platform import get_platform
 
     def _single(q, k, v):

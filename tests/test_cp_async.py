@@ -23,7 +23,7 @@ def _check(mesh, style, layout, kind, causal, Hq, Hkv, chunks_expected, S=16, se
     """One overlapped call on this rank's block vs the reference; returns a description."""
     import torch
     from hyper_parallel import AsyncContextParallel
-    from hyper_parallel.core.context_parallel.overlap import observe_pipeline
+    from hyper_parallel.core.context_parallel.overlap.pipeline import observe_pipeline
     from tests.frameworks.torch_adapter import TorchAdapter
 
     seq, head = LAYOUTS[layout]
@@ -97,7 +97,7 @@ def _order_case(rank, world, layout):
     (tensor hooks in the module: forward call, backward start at the output, end at q's first op)."""
     import torch
     from hyper_parallel import AsyncContextParallel
-    from hyper_parallel.core.context_parallel.overlap import observe_pipeline
+    from hyper_parallel.core.context_parallel.overlap.pipeline import observe_pipeline
     from tests.frameworks.torch_adapter import TorchAdapter
 
     log, calls = [], []
@@ -223,7 +223,7 @@ def _join_case(rank, world, style, form, expected):
     import torch
     import torch.nn.functional as F
     from hyper_parallel import AsyncContextParallel
-    from hyper_parallel.core.context_parallel.overlap import observe_pipeline
+    from hyper_parallel.core.context_parallel.overlap.pipeline import observe_pipeline
     reshape = FORMS[form]
 
     class Attention(torch.nn.Module):

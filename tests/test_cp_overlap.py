@@ -192,7 +192,7 @@ def _memory_case(rank, world, L, H):
     """Peak live bytes of one ring fwd+bwd on local (1, H, L, D) blocks, in units of one K+V block,
     for rings of every size 1..world (ranks 0..P-1 ring, the rest ring alone)."""
     import torch
-    from hyper_parallel.core.context_parallel.ring import RingLayout, ring_attention
+    from hyper_parallel.core.context_parallel.ring.ring_attention import RingLayout, ring_attention
     from hyper_parallel.platform import get_platform
 
     platform = get_platform()

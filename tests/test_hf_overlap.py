@@ -57,7 +57,7 @@ def _hf_case(rank, world, family, cp_kwargs, checkpointing=False):
     projection groups that ran per variant (plain: pipelined; padded: the block's own forward)."""
     import torch
     from hyper_parallel import data_parallel, get_platform, init_device_mesh, shard_sequence
-    from hyper_parallel.core.context_parallel.overlap import observe_pipeline
+    from hyper_parallel.core.context_parallel.overlap.pipeline import observe_pipeline
     from hyper_parallel.integrations.transformers import parallelize_model
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     model = _model(family)
@@ -102,7 +102,7 @@ def _order_case(rank, world):
     """The event log of one pipelined block (Llama, 2 groups, Ulysses) in forward and backward."""
     import torch
     from hyper_parallel import init_device_mesh
-    from hyper_parallel.core.context_parallel.overlap import observe_pipeline
+    from hyper_parallel.core.context_parallel.overlap.pipeline import observe_pipeline
     from hyper_parallel.integrations.transformers import parallelize_model
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     model = _model("llama")

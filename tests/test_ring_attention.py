@@ -134,7 +134,7 @@ def _direct_case(rank, world):
     all ranks in order, in reverse order, and over two disjoint non-adjacent sub-rings; contiguous
     and zigzag chunk layouts; causal/non-causal; GQA; an explicit scale."""
     import torch
-    from hyper_parallel.core.context_parallel.ring import RingLayout, ring_attention
+    from hyper_parallel.core.context_parallel.ring.ring_attention import RingLayout, ring_attention
 
     rings = [tuple(range(world)), tuple(reversed(range(world)))]
     if world >= 4:
@@ -316,7 +316,7 @@ def _memory_case(rank, world):
     S/P tokens}."""
     import gc
 
-    from hyper_parallel.core.context_parallel.ring import RingLayout, ring_attention
+    from hyper_parallel.core.context_parallel.ring.ring_attention import RingLayout, ring_attention
 
     mesh = _cp_mesh(world)
     S, H = 16 * world, 2

@@ -56,8 +56,8 @@ def _masked_case(rank, world):
     import torch
     import torch.nn.functional as F
     from hyper_parallel import attention_masks
-    from hyper_parallel.core.context_parallel.masked_ring import masked_ring_attention
-    from hyper_parallel.core.context_parallel.ring import RingLayout
+    from hyper_parallel.core.context_parallel.masks.masked_ring import masked_ring_attention
+    from hyper_parallel.core.context_parallel.ring.ring_attention import RingLayout
 
     S = 8 * world
     ids, padding = _masks(S)
@@ -103,7 +103,7 @@ def _unmasked_heads_case(rank, world):
     K/V block) and odd K/V head counts (unequal head groups) against single-device SDPA."""
     import torch
     import torch.nn.functional as F
-    from hyper_parallel.core.context_parallel.ring import RingLayout, ring_attention
+    from hyper_parallel.core.context_parallel.ring.ring_attention import RingLayout, ring_attention
 
     S = 8 * world
     done = []
@@ -133,8 +133,8 @@ def _bytes_case(rank, world):
     import torch
     from hyper_parallel import attention_masks
     from hyper_parallel.core.comm_mode import CommDebugMode
-    from hyper_parallel.core.context_parallel.masked_ring import masked_ring_attention
-    from hyper_parallel.core.context_parallel.ring import RingLayout, ring_attention
+    from hyper_parallel.core.context_parallel.masks.masked_ring import masked_ring_attention
+    from hyper_parallel.core.context_parallel.ring.ring_attention import RingLayout, ring_attention
 
     S, hkv = 8 * world, 2
     ids, padding = _masks(S)
@@ -220,8 +220,8 @@ def _order_case(rank, world):
     causal, so every visiting block has work for every query chunk."""
     import torch
     from hyper_parallel import attention_masks
-    from hyper_parallel.core.context_parallel.masked_ring import masked_ring_attention
-    from hyper_parallel.core.context_parallel.ring import RingLayout, _head_ranges, ring_attention
+    from hyper_parallel.core.context_parallel.masks.masked_ring import masked_ring_attention
+    from hyper_parallel.core.context_parallel.ring.ring_attention import RingLayout, _head_ranges, ring_attention
     from hyper_parallel.platform import get_platform
 
     S, hkv = 8 * world, 2
@@ -262,8 +262,8 @@ def _memory_case(rank, world, heads=((8, 8),)):
     import torch
     import torch.nn.functional as F
     from hyper_parallel import attention_masks
-    from hyper_parallel.core.context_parallel.masked_ring import masked_ring_attention
-    from hyper_parallel.core.context_parallel.ring import RingLayout, ring_attention
+    from hyper_parallel.core.context_parallel.masks.masked_ring import masked_ring_attention
+    from hyper_parallel.core.context_parallel.ring.ring_attention import RingLayout, ring_attention
     from hyper_parallel.platform import get_platform
 
     L = 64

@@ -16,48 +16,12 @@ DTensor parameters (tensor parallel) reduce their local gradient: their shards a
 tensors on different TP ranks, the same tensor on different DP ranks, so the DP mesh must not share
 a rank with the DTensor's own mesh.
 """
-import contextlib
-
+from hyper_parallel.core.data_parallel_checks import Switchable, check_disjoint_meshes, check_one_dim
+from hyper_parallel.core.data_parallel_tuple import tuple_data_parallel
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.platform import get_platform
 
 DEFAULT_BUCKET_MB = 4
-
-
-def check_one_dim(mesh):
-    if mesh.ndim != 1:
-        raise ValueError(f"data_parallel needs a 1-D mesh, got {mesh.ndim}-D {mesh.mesh_dim_names}; slice it "
-                         f"(mesh['dp']) or flatten it (mesh['dp', 'cp'].flatten())")
-
-
-def check_disjoint_meshes(param, dp_mesh, name):
-    """A DTensor parameter's shards differ across its own mesh, so that mesh may share at most one
-    rank (this one) with the data-parallel mesh."""
-    if not isinstance(param, DTensor):
-        return
-    shared = set(param.device_mesh.rank_list) & set(dp_mesh.group_ranks(0))
-    if len(shared) > 1:
-        raise ValueError(f"data_parallel: the DTensor parameter {name} lives on mesh "
-                         f"{param.device_mesh} which "
-                         f"shares ranks {sorted(shared)} with the data-parallel mesh {dp_mesh}; its shards "
-                         f"differ across those ranks, so their gradients cannot be averaged. Use a "
-                         f"data-parallel mesh dim different from the parameter's (e.g. mesh['dp'] beside "
-                         f"mesh['tp'])")
-
-
-class Switchable:
-    """``enabled`` and ``no_sync()``, the switch both gradient reducers (this file's and
-    data_parallel_tuple.py's) share."""
-    enabled = True
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Skip the reduction (gradients accumulate locally); the next step outside reduces the sum."""
-        previous, self.enabled = self.enabled, False
-        try:
-            yield
-        finally:
-            self.enabled = previous
 
 
 class _Bucket:
@@ -187,7 +151,6 @@ def data_parallel(module, device_mesh, *, average=True, bucket_mb=DEFAULT_BUCKET
     if getattr(module, "_hp_grad_reducer", None) is not None:
         raise ValueError("data_parallel was already applied to this module")
     if getattr(get_platform(), "gradients_as_tuple", False):
-        from hyper_parallel.core.data_parallel_tuple import tuple_data_parallel
         return tuple_data_parallel(module, device_mesh, average, bucket_mb)
     reducer = GradientReducer(module, device_mesh, average, bucket_mb)
     module._hp_grad_reducer = reducer

@@ -10,7 +10,7 @@ Tensor-parallel parameters are MindSpore Parameters holding this rank's shard, s
 are shards too: all-reducing them over the data-parallel mesh (whose ranks hold the same shard)
 keeps the layout. Their own mesh must not share ranks with the data-parallel mesh (ValueError).
 """
-from hyper_parallel.core.data_parallel import Switchable, check_disjoint_meshes, check_one_dim
+from hyper_parallel.core.data_parallel_checks import Switchable, check_disjoint_meshes, check_one_dim
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.platform import get_platform
 

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from hyper_parallel.core.context_parallel import ContextParallel, start_attention
-from hyper_parallel.core.context_parallel.masks import attention_masks
+from hyper_parallel.core.context_parallel.masks.attention_masks import attention_masks
 from hyper_parallel.integrations.hf_attention_args import check_attention_kwargs, check_sliding_window
 from hyper_parallel.integrations.hf_overlap import pipeline_attention_blocks
 from hyper_parallel.integrations.hf_sequence_audit import refuse_sequence_mixing

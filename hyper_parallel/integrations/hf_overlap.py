@@ -25,8 +25,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from hyper_parallel.core.context_parallel.overlap import pipeline_observer
+from hyper_parallel.core.context_parallel.overlap.pipeline import pipeline_observer
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.platform import get_platform
 
 _KNOWN = ("LlamaAttention", "Qwen2Attention", "Qwen3Attention", "MistralAttention")
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -134,6 +135,7 @@ def pipeline_attention_blocks(model, state, cp_kwargs, cp_size):
     for module in model.modules():
         groups = pipeline_groups(module, ulysses, cp_kwargs.get("chunks", 2))
         if groups > 1:
-            module.forward = PipelinedAttention(module, module.forward, state, groups)
+            get_platform().replace_forward(
+                module, lambda original, m=module, g=groups: PipelinedAttention(m, original, state, g))
             done += 1
     return done

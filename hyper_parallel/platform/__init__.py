@@ -4,6 +4,6 @@
 (alias ``HYPER_PARALLEL_PLATFORM``): ``torch``, ``npu`` or ``mindspore``.
 """
 from hyper_parallel.platform.base import Platform, AsyncHandle
-from hyper_parallel.platform.selection import get_platform, reset_platform, VALID_PLATFORMS
+from hyper_parallel.platform.selection import get_platform, on_reset, reset_platform, VALID_PLATFORMS
 
-__all__ = ["Platform", "AsyncHandle", "get_platform", "reset_platform", "VALID_PLATFORMS"]
+__all__ = ["Platform", "AsyncHandle", "get_platform", "on_reset", "reset_platform", "VALID_PLATFORMS"]

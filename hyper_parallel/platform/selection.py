@@ -69,8 +69,20 @@ def get_platform():
     return _platform
 
 
+_on_reset = []
+
+
+def on_reset(callback):
+    """Call ``callback()`` at every ``reset_platform()``: caches of values built for one platform
+    (core's bounded caches) empty themselves there, without platform/ importing them."""
+    _on_reset.append(callback)
+
+
 def reset_platform():
-    """Forget the cached platform (tests that switch HP_PLATFORM use this)."""
+    """Forget the cached platform (tests that switch HP_PLATFORM use this) and everything cached
+    for it."""
     global _platform
     with _lock:
         _platform = None
+    for callback in list(_on_reset):
+        callback()

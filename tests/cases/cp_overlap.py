@@ -5,7 +5,7 @@ run under ``observe_pipeline``, returning which pipeline events each chunk produ
 def overlapped_grid(rank, world_size, plan, S=16, H=8):
     """``cp_grid`` of ``plan`` (style kwargs with overlap=True); returns (checks done,
     [(stage, chunk, event)] in the order they happened)."""
-    from hyper_parallel.core.context_parallel.overlap import observe_pipeline
+    from hyper_parallel.core.context_parallel.overlap.pipeline import observe_pipeline
     from tests.cases.context_parallel import cp_grid
     seen = []
     with observe_pipeline(lambda stage, chunk, event: seen.append((stage, chunk, event))):

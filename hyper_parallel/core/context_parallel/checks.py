@@ -16,6 +16,7 @@ from a genuine longer block by its content: the same k/v on every rank is the wh
 import os
 import zlib
 
+from hyper_parallel.core.bounded_cache import BoundedCache
 from hyper_parallel.platform import get_platform
 
 NAMES = ("q", "k", "v")
@@ -64,7 +65,7 @@ def suspect_whole_sequence(style, qkv, raw, q_block, cp_size):
     return prints
 
 
-_VERIFIED = set()
+_VERIFIED = BoundedCache(4096)
 
 
 def debug_checks():
@@ -85,8 +86,6 @@ def first_call_of_signature(style, cp_mesh, qkv):
                                       t.placements if isinstance(t, DTensor) else None) for t in qkv))
     if key in _VERIFIED:
         return False
-    if len(_VERIFIED) > 4096:
-        _VERIFIED.clear()
     _VERIFIED.add(key)
     return True
 

@@ -5,6 +5,7 @@ splits from the sequence to the heads (Ulysses, one all-to-all each) and gathers
 (all-gather KV). Placements are derived from shard orders, so they compose with any other split
 already on the tensor (TP heads, a StridedShard where CP splits heads inside TP's split).
 """
+from hyper_parallel.core.bounded_cache import BoundedCache
 from hyper_parallel.core.dtensor.layout import placements_from_orders, shard_orders
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
 
@@ -17,8 +18,7 @@ def _non_shard(placements):
     return [Replicate() if p.is_shard() else p for p in placements]
 
 
-_INPUT = {}
-_LIMIT = 4096
+_INPUT = BoundedCache(4096)
 
 
 def input_placements(mesh, ndim, seq_dim, cp_dims, other=None):
@@ -28,8 +28,6 @@ def input_placements(mesh, ndim, seq_dim, cp_dims, other=None):
     hit = _INPUT.get(key)
     if hit is not None and hit[0] is mesh:
         return hit[1]
-    if len(_INPUT) >= _LIMIT:
-        _INPUT.clear()
     found = _input_placements(mesh, ndim, seq_dim, cp_dims, other)
     _INPUT[key] = (mesh, found)   # holds the mesh: its id cannot be reused while the entry lives
     return found

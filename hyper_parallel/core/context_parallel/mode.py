@@ -7,14 +7,14 @@ from hyper_parallel.core.context_parallel.checks import (NAMES, check_across_ran
                                                          first_call_of_signature,
                                                          check_whole_sequence, normalise_dims,
                                                          suspect_whole_sequence)
-from hyper_parallel.core.context_parallel.fused_collectives import mode_dtensors
+from hyper_parallel.core.context_parallel.movement import mode_dtensors
 from hyper_parallel.core.context_parallel.layouts import input_placements
 from hyper_parallel.core.context_parallel.load_balance import merge_head_tail, split_head_tail
-from hyper_parallel.core.context_parallel.mask_mode import with_masks
-from hyper_parallel.core.context_parallel.masks import active_masks, check_masks
+from hyper_parallel.core.context_parallel.masks.mask_mode import with_masks
+from hyper_parallel.core.context_parallel.masks.attention_masks import active_masks, check_masks
 from hyper_parallel.core.context_parallel.output import first_output, to_caller
-from hyper_parallel.core.context_parallel.overlap import pipelinable, recording, run_overlapped
-from hyper_parallel.core.context_parallel.ring_mode import run_ring
+from hyper_parallel.core.context_parallel.overlap.pipeline import pipelinable, recording, run_overlapped
+from hyper_parallel.core.context_parallel.ring.ring_mode import run_ring
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.ops.attention_roles import AttentionRoles, expecting
@@ -29,11 +29,11 @@ class _Inputs:
     locals: list            # q, k, v local blocks (differentiable)
     placements: list        # their layouts on the working mesh
     shapes: list            # their global shapes
-    policy: str             # "local" | "cp" | "foreign"
+    policy: str             # how q came in: "plain" tensor | "cp_dtensor" (on the CP mesh) | "other_mesh"
     seq: int                # q/k/v's sequence and head dims, normalised
     head: int
     own_mesh: object = None
-    own_dims: tuple = ()    # working-mesh dims of the caller's own mesh ("foreign")
+    own_dims: tuple = ()    # working-mesh dims of the caller's own mesh ("other_mesh")
 
 
 def cp_dim_order(mesh):
@@ -56,8 +56,8 @@ def _on_cp_mesh(mesh, cp_mesh):
 
 def _policy(q, cp_mesh):
     if not isinstance(q, DTensor):
-        return "local"
-    return "cp" if _on_cp_mesh(q.device_mesh, cp_mesh) else "foreign"
+        return "plain"
+    return "cp_dtensor" if _on_cp_mesh(q.device_mesh, cp_mesh) else "other_mesh"
 
 
 def _check_meshes(qkv, policy, cp_mesh):
@@ -66,9 +66,9 @@ def _check_meshes(qkv, policy, cp_mesh):
     for name, t in zip(NAMES[1:], qkv[1:]):
         if not isinstance(t, DTensor):
             continue
-        fits = t.device_mesh == q.device_mesh if policy == "foreign" else _on_cp_mesh(t.device_mesh, cp_mesh)
+        fits = t.device_mesh == q.device_mesh if policy == "other_mesh" else _on_cp_mesh(t.device_mesh, cp_mesh)
         if not fits:
-            where = f"q's mesh {q.device_mesh}" if policy == "foreign" else f"the CP mesh {cp_mesh}"
+            where = f"q's mesh {q.device_mesh}" if policy == "other_mesh" else f"the CP mesh {cp_mesh}"
             raise ValueError(f"ContextParallel: {name} is a DTensor on {t.device_mesh}, not on {where}; pass "
                              f"q, k and v as DTensors on one mesh, or k and v as plain local blocks")
 
@@ -76,7 +76,7 @@ def _check_meshes(qkv, policy, cp_mesh):
 def _block_shape(t, policy, seq, cp_mesh):
     """The shape of the sequence block this rank contributes for ``t``."""
     shape = list(t.shape)
-    if isinstance(t, DTensor) and policy != "foreign":
+    if isinstance(t, DTensor) and policy != "other_mesh":
         if shape[seq] % cp_mesh.size():
             raise ValueError(f"ContextParallel: a DTensor input has global sequence length {shape[seq]}, "
                              f"not divisible by the CP size {cp_mesh.size()}; pad the sequence to a "
@@ -90,7 +90,7 @@ def _q_block_length(style, q, policy, cp_mesh):
     if not -q.ndim <= style.seq_dim < q.ndim:
         return None
     n = int(q.shape[style.seq_dim % q.ndim])
-    return n // cp_mesh.size() if isinstance(q, DTensor) and policy == "cp" else n
+    return n // cp_mesh.size() if isinstance(q, DTensor) and policy == "cp_dtensor" else n
 
 
 def _prepare(style, cp_mesh, qkv):
@@ -108,7 +108,7 @@ def _prepare(style, cp_mesh, qkv):
     shapes = [_block_shape(t, policy, seq, cp_mesh) for t in qkv]
     check_layout(style, shapes, seq, head, cp_mesh.size())
     check_whole_sequence(same, shapes, seq, cp_mesh.size())
-    if policy == "foreign":
+    if policy == "other_mesh":
         return _foreign(cp_mesh, qkv, seq, head)
     blocks = [t.redistribute(placements=_seq_blocks(t.device_mesh, t.ndim, seq)).to_local()
               if isinstance(t, DTensor) else t for t in qkv]
@@ -119,7 +119,7 @@ def _prepare(style, cp_mesh, qkv):
         shape = list(t.shape)
         shape[seq] *= cp_mesh.size()
         shapes.append(tuple(shape))
-    own = qkv[0].device_mesh if policy == "cp" else None
+    own = qkv[0].device_mesh if policy == "cp_dtensor" else None
     return _Inputs(cp_mesh, cp_dims, blocks, placements, shapes, policy, seq, head, own)
 
 
@@ -161,7 +161,7 @@ def _foreign(cp_mesh, qkv, seq, head):
         shape[seq] *= cp_mesh.size()
         shapes.append(tuple(shape))
         locals_.append(t.to_local())
-    return _Inputs(mesh, cp_dims, locals_, placements, shapes, "foreign", seq, head, own, own_dims)
+    return _Inputs(mesh, cp_dims, locals_, placements, shapes, "other_mesh", seq, head, own, own_dims)
 
 
 def _degree(mesh, ulysses_dims):
@@ -300,9 +300,9 @@ def _load_balanced(inputs, k, v, call):
 
 def deliver(style, inputs, out_local, seq, placements):
     """This rank's output block as the caller gets it (local, or a DTensor on its mesh)."""
-    if style.use_local_output or inputs.policy == "local":
+    if style.use_local_output or inputs.policy == "plain":
         return out_local
-    if inputs.policy == "cp":
+    if inputs.policy == "cp_dtensor":
         own = inputs.own_mesh
         return DTensor.from_local(out_local, own, _seq_blocks(own, out_local.ndim, seq))
     return DTensor.from_local(out_local, inputs.own_mesh, [placements[m] for m in inputs.own_dims])

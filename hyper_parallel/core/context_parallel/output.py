@@ -18,15 +18,15 @@ made once per signature (a steady-state call looks it up), and the move to the c
 to a local tensor is one autograd function (``redistribute(...).to_local()`` fused: the same
 collectives, the same gradient layouts, one graph node instead of two DTensor wrappers).
 """
+from hyper_parallel.core.autograd_functions import lazy_autograd_function
+from hyper_parallel.core.bounded_cache import BoundedCache
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
 from hyper_parallel.core.dtensor.layout import grad_placements, placements_from_orders, shard_orders
 from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.core.dtensor.redistribute import redistribute_local
 from hyper_parallel.platform import get_platform
 
-_DECISIONS = {}
-_LIMIT = 4096
-_FUNCTIONS = {}
+_DECISIONS = BoundedCache(4096)
 
 
 def _fail(out, why, fix="return the output with its sequence on a dim of its own length, e.g. in q's "
@@ -90,8 +90,6 @@ def _decision(out, inputs, ulysses_dims):
     seq = output_seq_dim(out, inputs, ulysses_dims)
     target = caller_placements(tuple(out.placements), inputs.mesh, out.ndim, seq, inputs.cp_dims)
     found = (seq, target, spec.with_placements(target), inputs.mesh)
-    if len(_DECISIONS) >= _LIMIT:
-        _DECISIONS.clear()
     _DECISIONS[key] = found   # holds the mesh: its id cannot be reused while the entry lives
     return found
 
@@ -116,15 +114,14 @@ def _to_local_as(out, target_spec):
     platform = get_platform()
     if not (platform.is_grad_enabled() and out.requires_grad):
         return _local_forward(_NoCtx(), out, target_spec)
-    fn = _FUNCTIONS.get(platform.name)
-    if fn is None:
-        fn = _FUNCTIONS[platform.name] = platform.make_autograd_function("ToCallerLocal", _local_forward,
-                                                                         _local_backward)
-    return fn(out, target_spec)
+    return _TO_CALLER_LOCAL(out, target_spec)
 
 
 class _NoCtx:
     pass
+
+
+_TO_CALLER_LOCAL = lazy_autograd_function("ToCallerLocal", _local_forward, _local_backward)
 
 
 def to_caller(out, inputs, ulysses_dims):

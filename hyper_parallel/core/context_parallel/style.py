@@ -9,9 +9,9 @@ same sharding rules as ``F.scaled_dot_product_attention``.
 import contextvars
 import weakref
 
-from hyper_parallel.core.context_parallel.kernels import call_module
+from hyper_parallel.core.context_parallel.supported_kernels import call_module
 from hyper_parallel.core.context_parallel.mode import run_attention
-from hyper_parallel.core.context_parallel.split_call import start_call
+from hyper_parallel.core.context_parallel.overlap.split_call import start_call
 from hyper_parallel.core.tensor_parallel.style import ParallelStyle
 from hyper_parallel.platform import get_platform
 

@@ -34,6 +34,8 @@ from mindspore.ops.primitive import Primitive
 
 from hyper_parallel.platform.mindspore import meta
 from hyper_parallel.platform.mindspore.op_names import MsOp, lookup
+# the primitives of real models' ops add their entries to op_names' TABLE when imported
+from hyper_parallel.platform.mindspore import op_names_models  # noqa: F401
 
 _LIKE = {"ZerosLike", "OnesLike", "ZerosLikeExt", "OnesLikeExt", "EmptyLike", "FullLike", "RandLikeExt",
          "RandnLikeExt"}

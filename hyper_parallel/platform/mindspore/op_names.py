@@ -380,10 +380,6 @@ def _gather_as_embedding(args, kwargs):
 TABLE["Gather"] = _Entry("embedding", "embedding", _embedding_shape, _gather_as_embedding)
 
 
-# the primitives of the rules added for real models' ops, kept in their own file (it adds to TABLE)
-from hyper_parallel.platform.mindspore import op_names_models  # noqa: E402,F401
-
-
 def lookup(name):
     return TABLE.get(name)
 

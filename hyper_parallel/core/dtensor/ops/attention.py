@@ -55,7 +55,7 @@ def sdpa_rule(call):
         return None
     check_query(qs)   # inside a ContextParallel call: q split as that call promised (attention_roles.py)
     if (call.arg(4, "dropout_p", 0.0) or 0.0) > 0:
-        return _whole(call)
+        return _replicated_strategy(call)
     mask = call.arg(3, "attn_mask")
     mask_spec = call.spec(mask)
     q_t, k_t, v_t, out, seq_split = [], [], [], [], False
@@ -79,7 +79,7 @@ def sdpa_rule(call):
     return OpStrategy(inputs=inputs, outputs=tuple(out), local=local)
 
 
-def _whole(call):
+def _replicated_strategy(call):
     """Attention dropout draws its mask inside the kernel, from the local shapes: only the whole
     computation on every rank draws the single-device mask under the same seed (random ops on
     DTensors equal one device). Every input is replicated; the output is too."""

@@ -7,7 +7,8 @@ log-sum-exp; skipped tiles cost nothing. ``forward`` returns (out, lse) with lse
 on rows that see no key, so blocks from other ranks (ring steps) merge in safely; ``backward``
 recomputes each tile's gradients from the final (out, lse) of its rows.
 """
-from hyper_parallel.core.context_parallel.block_masks import Span, spans, tile_kind, tile_mask
+from hyper_parallel.core.autograd_functions import lazy_autograd_function
+from hyper_parallel.core.context_parallel.masks.block_masks import Span, spans, tile_kind, tile_mask
 from hyper_parallel.core.dtensor.ops.attention import expand_heads, fold_heads
 from hyper_parallel.platform import get_platform
 
@@ -182,15 +183,12 @@ def _autograd_backward(ctx, grad_out):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
-_fn = []  # built on first use: the platform may be chosen after import
+_MASKED_ATTENTION = lazy_autograd_function("MaskedBlockAttention", _autograd_forward, _autograd_backward)
 
 
 def masked_attention(q, k, v, masks, rows, q_span, k_span, causal, scale):
     """Differentiable masked attention of q (rows ``q_span``) on k/v (keys ``k_span``)."""
-    if not _fn:
-        _fn.append(get_platform().make_autograd_function("MaskedBlockAttention", _autograd_forward,
-                                                         _autograd_backward))
-    return _fn[0](q, k, v, masks, rows, q_span, k_span, causal, scale)
+    return _MASKED_ATTENTION(q, k, v, masks, rows, q_span, k_span, causal, scale)
 
 
 __all__ = ["forward", "backward", "masked_attention", "merge", "plan"]

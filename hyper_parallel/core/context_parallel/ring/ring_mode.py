@@ -5,12 +5,12 @@ The user's module is called with q, k, v as DTensors, as in every mode; a dispat
 (core/dtensor/interceptors.py) follows them through the module's relayouts (transpose, view...)
 and, at ``F.scaled_dot_product_attention``, runs the ring kernel on their local blocks instead of
 the attention rule. Attention code that consumes them otherwise is refused: it cannot be ringed."""
-from hyper_parallel.core.context_parallel.fused_collectives import to_mode
+from hyper_parallel.core.context_parallel.movement import to_mode
 from hyper_parallel.core.context_parallel.load_balance import merge_head_tail, split_head_tail
 from hyper_parallel.core.context_parallel.output import first_output, to_caller
-from hyper_parallel.core.context_parallel.masked_ring import masked_ring_attention
-from hyper_parallel.core.context_parallel.masks import active_masks
-from hyper_parallel.core.context_parallel.ring import RingLayout, ring_attention
+from hyper_parallel.core.context_parallel.masks.masked_ring import masked_ring_attention
+from hyper_parallel.core.context_parallel.masks.attention_masks import active_masks
+from hyper_parallel.core.context_parallel.ring.ring_attention import RingLayout, ring_attention
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.interceptors import Interceptor, intercepting
 from hyper_parallel.core.dtensor.ops.attention import ARG_NAMES

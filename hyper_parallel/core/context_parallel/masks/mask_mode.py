@@ -8,8 +8,8 @@ rank holds is read from the DTensor layouts at that point (q: a sequence block, 
 or everything; k/v: the whole sequence), so one interceptor serves every mode. The batch rows come
 from the layouts too (a batch split elsewhere in the mesh slices the masks alike).
 """
-from hyper_parallel.core.context_parallel.block_masks import Span
-from hyper_parallel.core.context_parallel.masked_attention import masked_attention
+from hyper_parallel.core.context_parallel.masks.block_masks import Span
+from hyper_parallel.core.context_parallel.masks.masked_attention import masked_attention
 from hyper_parallel.core.dtensor.interceptors import Interceptor, intercepting
 from hyper_parallel.core.dtensor.ops.attention import ARG_NAMES
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy

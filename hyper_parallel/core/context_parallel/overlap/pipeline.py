@@ -21,15 +21,16 @@ attention backward, and each output-gradient collective during the attention bac
 after it (see platform/split_collectives.py).
 
 Not pipelined (run whole, exactly as without overlap): load balancing, the ring (which overlaps its
-own hops), active attention_masks, a q DTensor on another mesh ("foreign"), k/v heads the chunks
+own hops), active attention_masks, a q DTensor on another mesh ("other_mesh"), k/v heads the chunks
 cannot split, and layouts the split moves do not cover (uneven blocks, several steps).
 """
 import contextlib
 from dataclasses import replace
 
+from hyper_parallel.core.bounded_cache import BoundedCache
 from hyper_parallel.core.context_parallel.layouts import mode_placements
 from hyper_parallel.core.context_parallel.output import output_seq_dim
-from hyper_parallel.core.context_parallel.split_moves import AllGather, AllToAll, Block, start_output
+from hyper_parallel.core.context_parallel.movement import Block, KVAllGather, QKVAllToAll, start_output
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.platform import get_platform
 
@@ -58,7 +59,7 @@ def pipeline_observer(stage, chunk):
 def pipelinable(style, inputs, masks):
     """Whether this call may be pipelined at all (the other modes run whole)."""
     return (style.overlap and style.chunks > 1 and masks is None and not style.load_balance
-            and style.kv_exchange != "ring" and inputs.policy != "foreign")
+            and style.kv_exchange != "ring" and inputs.policy != "other_mesh")
 
 
 def chunk_count(style, inputs, ds):
@@ -84,8 +85,8 @@ def _chunks(inputs, n):
             for c in range(n)]
 
 
-_PLANS = {}    # per chunk signature: the stages (they hold no tensors)
-_WHOLE = {}    # per (style, call signature): the global shape of the whole call's output (learnt from
+_STAGES = BoundedCache(256)    # per chunk signature: the stages (they hold no tensors)
+_WHOLE_OUTPUT_SHAPES = BoundedCache(256)    # per (style, call signature): the global shape of the whole call's output (learnt from
 #                a call run whole), or None where the chunk outputs could not be joined: run whole
 
 
@@ -95,16 +96,14 @@ def _signature(blocks, inputs, ulysses_dims, gather_dims):
 
 
 def _remember(key, shape):
-    if len(_WHOLE) > 256:
-        _WHOLE.clear()
-    _WHOLE[key] = shape
+    _WHOLE_OUTPUT_SHAPES[key] = shape
 
 
 def recording(style, inputs, ulysses_dims, gather_dims, call):
     """``call`` for a pipelinable call run whole: the first time for its signature, it also records
     the global shape of the whole output, from which later calls learn where the chunks join."""
     key = (id(style), _signature(_whole_blocks(inputs), inputs, ulysses_dims, gather_dims))
-    if key in _WHOLE:
+    if key in _WHOLE_OUTPUT_SHAPES:
         return call
 
     def record(*args):
@@ -121,24 +120,23 @@ def _whole_blocks(inputs):
 
 def _stages(key, blocks, inputs, ulysses_dims, gather_dims):
     """The split moves taking a chunk to the mode's layout, or None where one cannot be split."""
-    if key not in _PLANS:
-        if len(_PLANS) > 256:
-            _PLANS.clear()
-        _PLANS[key] = _plan(blocks, inputs, ulysses_dims, gather_dims)
-    return _PLANS[key]
+    if key not in _STAGES:
+        _STAGES[key] = _new_stages(blocks, inputs, ulysses_dims, gather_dims)
+    return _STAGES[key]
 
 
-def _plan(blocks, inputs, ulysses_dims, gather_dims):
+def _new_stages(blocks, inputs, ulysses_dims, gather_dims):
     mesh, seq, head, ndim = inputs.mesh, inputs.seq, inputs.head, len(blocks[0].shape)
     staged = [mode_placements(b.placements, mesh, ndim, seq, head, ulysses_dims, [])[0] for b in blocks]
     stages = []
     if ulysses_dims:
-        stages.append(AllToAll.plan(mesh, blocks, staged))
+        stages.append(QKVAllToAll.plan(mesh, [b.shape for b in blocks], [b.placements for b in blocks], staged,
+                                       [tuple(b.local.shape) for b in blocks], [b.local.dtype for b in blocks]))
     if gather_dims:
         targets = [mode_placements(b.placements, mesh, ndim, seq, head, ulysses_dims, gather_dims)[1]
                    for b in blocks]
-        stages.append(AllGather.plan(mesh, [b.shape for b in blocks], staged, targets,
-                                     [b.local.dtype for b in blocks]))
+        stages.append(KVAllGather.plan(mesh, [b.shape for b in blocks], staged, targets,
+                                       [b.local.dtype for b in blocks]))
     return None if not stages or None in stages else tuple(stages)
 
 
@@ -227,7 +225,7 @@ def _give_up(key, pipes, outs):
         pipe.drain()
     for finish in outs:
         finish()
-    if key in _WHOLE:
+    if key in _WHOLE_OUTPUT_SHAPES:
         _remember(key, None)
     return None
 
@@ -243,7 +241,7 @@ def run_overlapped(style, inputs, ulysses_dims, gather_dims, call):
     if n == 1:
         return None
     key = (id(style), _signature(_whole_blocks(inputs), inputs, ulysses_dims, gather_dims))
-    whole = _WHOLE.get(key, ())
+    whole = _WHOLE_OUTPUT_SHAPES.get(key, ())
     if whole is None or (whole == () and not ulysses_dims):   # all-gather KV: learn the join dim first
         return None
     chunks = _chunks(inputs, n)

@@ -13,7 +13,7 @@ their output. The values are those of an ordinary call either way.
 """
 from hyper_parallel.core.context_parallel.mode import deliver, prepare, run_prepared
 from hyper_parallel.core.context_parallel.output import first_output, to_caller
-from hyper_parallel.core.context_parallel.overlap import start_whole
+from hyper_parallel.core.context_parallel.overlap.pipeline import start_whole
 
 
 class PendingAttention:
@@ -29,7 +29,7 @@ class PendingAttention:
 
 
 def _splittable(style, inputs, gather_dims, masks):
-    return (masks is None and not style.load_balance and inputs.policy != "foreign"
+    return (masks is None and not style.load_balance and inputs.policy != "other_mesh"
             and not (style.kv_exchange == "ring" and gather_dims))
 
 

@@ -24,8 +24,9 @@ so every rank does the same causal work.
 """
 from dataclasses import dataclass
 
-from hyper_parallel.core.context_parallel.block_masks import Span
-from hyper_parallel.core.context_parallel.masked_attention import empty_result
+from hyper_parallel.core.autograd_functions import lazy_autograd_function
+from hyper_parallel.core.context_parallel.masks.block_masks import Span
+from hyper_parallel.core.context_parallel.masks.masked_attention import empty_result
 from hyper_parallel.core.dtensor.ops.attention import expand_heads as _expand_heads
 from hyper_parallel.core.dtensor.ops.attention import fold_heads as _fold_heads
 from hyper_parallel.core.dtensor.ops.attention import merge_blocks as _merge
@@ -291,7 +292,9 @@ def _backward(ctx, grad_out):
     return tuple(grads) + (None, None)
 
 
-_fn = []  # built on first use: the platform may be chosen after import
+
+
+_RING_ATTENTION = lazy_autograd_function("RingAttention", _forward, _backward)
 
 
 def run_ring(q, k, v, layout, kernel):
@@ -300,9 +303,7 @@ def run_ring(q, k, v, layout, kernel):
     if q.shape[HEADS] % k.shape[HEADS]:
         raise ValueError(f"ring attention: {q.shape[HEADS]} query heads are not a multiple of "
                          f"{k.shape[HEADS]} key/value heads")
-    if not _fn:
-        _fn.append(get_platform().make_autograd_function("RingAttention", _forward, _backward))
-    return _fn[0](q, k, v, layout, _shared_kv(kernel, q, k))
+    return _RING_ATTENTION(q, k, v, layout, _shared_kv(kernel, q, k))
 
 
 def ring_attention(q, k, v, layout, causal=False, scale=None):

@@ -1,0 +1,41 @@
+"""``BoundedCache``: the one kind of cache core keeps for decisions taken per call signature.
+
+Sharding decisions, movement plans, verified shape signatures: a training loop repeats a few
+signatures, so these caches stay small; one that reaches its limit is fed keys that do not repeat
+(shapes changing every step) and simply starts over. Every cache empties at ``reset_platform()``
+(its values may hold objects of the old platform) and with ``clear_all()``.
+"""
+import weakref
+
+from hyper_parallel.platform import on_reset
+
+_ALL = []   # weak references to every cache
+
+
+class BoundedCache(dict):
+    """A dict of at most ``limit`` entries: adding one more empties it first."""
+
+    def __init__(self, limit=4096):
+        super().__init__()
+        self.limit = limit
+        _ALL.append(weakref.ref(self))
+
+    def __setitem__(self, key, value):
+        if len(self) >= self.limit and key not in self:
+            self.clear()
+        super().__setitem__(key, value)
+
+    def add(self, key):
+        """Set semantics for caches that only remember keys (``key in cache``)."""
+        self[key] = True
+
+
+def clear_all():
+    _ALL[:] = [ref for ref in _ALL if ref() is not None]
+    for ref in _ALL:
+        cache = ref()
+        if cache is not None:
+            cache.clear()
+
+
+on_reset(clear_all)

@@ -1,0 +1,41 @@
+"""What both gradient reducers of data parallelism share (data_parallel.py's hooks, data_parallel_tuple.py's
+MindSpore tuple form): the mesh checks and the ``no_sync`` switch."""
+import contextlib
+
+from hyper_parallel.core.dtensor.dtensor import DTensor
+
+
+def check_one_dim(mesh):
+    if mesh.ndim != 1:
+        raise ValueError(f"data_parallel needs a 1-D mesh, got {mesh.ndim}-D {mesh.mesh_dim_names}; slice it "
+                         f"(mesh['dp']) or flatten it (mesh['dp', 'cp'].flatten())")
+
+
+def check_disjoint_meshes(param, dp_mesh, name):
+    """A DTensor parameter's shards differ across its own mesh, so that mesh may share at most one
+    rank (this one) with the data-parallel mesh."""
+    if not isinstance(param, DTensor):
+        return
+    shared = set(param.device_mesh.rank_list) & set(dp_mesh.group_ranks(0))
+    if len(shared) > 1:
+        raise ValueError(f"data_parallel: the DTensor parameter {name} lives on mesh "
+                         f"{param.device_mesh} which "
+                         f"shares ranks {sorted(shared)} with the data-parallel mesh {dp_mesh}; its shards "
+                         f"differ across those ranks, so their gradients cannot be averaged. Use a "
+                         f"data-parallel mesh dim different from the parameter's (e.g. mesh['dp'] beside "
+                         f"mesh['tp'])")
+
+
+class Switchable:
+    """``enabled`` and ``no_sync()``, the switch both gradient reducers (this file's and
+    data_parallel_tuple.py's) share."""
+    enabled = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip the reduction (gradients accumulate locally); the next step outside reduces the sum."""
+        previous, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = previous
