@@ -27,15 +27,34 @@ CP_MODES = {
 
 def check_mode(args):
     """--mode against --cp, before any process starts: a hybrid needs a Ulysses degree of 2 and at
-    least 2 all-gather groups, so --cp 2 would run plain Ulysses under the hybrid's name."""
+    least 2 all-gather groups, so --cp 2 would run plain Ulysses under the hybrid's name. --dp-shard
+    with --dp and --cp both above 1 would be HSDP over a flattened dp_shard × cp mesh, which
+    fully_shard does not take (its HSDP mesh is exactly (dp_replicate, dp_shard))."""
     if getattr(args, "mode", None) == "hybrid" and (args.cp < 4 or args.cp % 2):
         raise ValueError(f"--mode hybrid runs Ulysses over 2 ranks × all-gather over cp / 2; it needs an even "
                          f"--cp of at least 4, got --cp {args.cp} (at --cp 2 use --mode ulysses)")
+    shard = dp_shard_degree(args)
+    if shard < 1:
+        raise ValueError(f"--dp-shard {shard}: pass a positive number of ranks")
+    if shard > 1 and args.dp > 1 and getattr(args, "cp", 1) > 1:
+        raise ValueError(f"--dp {args.dp} --dp-shard {shard} --cp {args.cp}: HSDP (--dp × --dp-shard) with "
+                         f"context parallelism is not supported; use --cp 1, or fold --dp into --dp-shard "
+                         f"(--dp 1 --dp-shard {args.dp * shard})")
+
+
+def dp_shard_degree(args):
+    return getattr(args, "dp_shard", 1)
+
+
+def data_ranks(args):
+    """Ranks that read different batches: --dp × --dp-shard."""
+    return args.dp * dp_shard_degree(args)
 
 
 def parser(doc, *, width_flag="--dim", cp=False, tp_help="tensor-parallel ranks", extra=(), checkpoint=False,
-           **defaults):
+           dp_shard=False, **defaults):
     """The examples' flags. ``width_flag`` names the model-width flag; ``cp`` adds --cp and --mode;
+    ``dp_shard`` adds --dp-shard (fully_shard's ranks; see train_parallel);
     ``extra`` is (flag, add_argument keywords) pairs of an example's own model flags; ``checkpoint``
     adds --save, --resume and --json (torch examples: see save_checkpoint / load_checkpoint);
     ``defaults`` overrides a flag's default (dp, tp, seq, width, vocab, lr)."""
@@ -45,6 +64,9 @@ def parser(doc, *, width_flag="--dim", cp=False, tp_help="tensor-parallel ranks"
         p.add_argument("--cp", type=int, default=2, help="context-parallel ranks")
     p.add_argument("--tp", type=int, default=d["tp"], help=tp_help)
     p.add_argument("--dp", type=int, default=d["dp"], help="data-parallel ranks")
+    if dp_shard:
+        p.add_argument("--dp-shard", type=int, default=1, help="sharded data-parallel ranks (fully_shard: "
+                       "ZeRO-3; with --dp > 1 HSDP, --dp replicas of --dp-shard shards)")
     if cp:
         p.add_argument("--mode", choices=sorted(CP_MODES), default="ulysses",
                        help="context-parallel attention mode")
@@ -98,7 +120,7 @@ def global_batch(args, step, dp_index):
 
 def token_count(args, step):
     """Counted labels over every data-parallel batch of the step (the loss normaliser)."""
-    return sum(int((global_batch(args, step, d)[1] != -100).sum()) for d in range(args.dp))
+    return sum(int((global_batch(args, step, d)[1] != -100).sum()) for d in range(data_ranks(args)))
 
 
 def sum_loss(logits, labels):
@@ -129,17 +151,25 @@ def train_parallel(args, example):
 
     first = steps_saved(args)   # checks --resume's flags before any collective
     platform = get_platform()
-    mesh = init_device_mesh(platform.device_type, (args.dp, args.cp, args.tp),
-                            mesh_dim_names=("dp", "cp", "tp"))
+    shard = dp_shard_degree(args)
+    # --dp-shard: example.parallelize applies fully_shard over dp_shard (× cp), summing gradients
+    # (the loss is already each rank's share of the global mean); otherwise data_parallel does
+    names = ("dp", "cp", "tp") if shard == 1 else ("dp_replicate", "dp_shard", "cp", "tp")
+    sizes = (args.dp, args.cp, args.tp) if shard == 1 else (args.dp, shard, args.cp, args.tp)
+    mesh = init_device_mesh(platform.device_type, sizes, mesh_dim_names=names)
     model = example.parallelize(example.build_model(args), mesh, args.mode)
-    replicas = mesh["dp", "cp"].flatten()  # ranks that see different tokens for the same parameters
-    data_parallel(model, replicas, average=False)
+    replicas = mesh[names[:-1]].flatten()  # ranks that see different tokens for the same parameters
+    if shard == 1:
+        data_parallel(model, replicas, average=False)
     opt = example.optimizer(model, args)
     if getattr(args, "resume", None):
         load_checkpoint(model, opt, args.resume)
+    data_index = mesh[names[0]].get_local_rank() * shard
+    if shard > 1:
+        data_index += mesh["dp_shard"].get_local_rank()
 
     def step_loss(step):
-        batch = global_batch(args, step, mesh["dp"].get_local_rank())
+        batch = global_batch(args, step, data_index)
         ids, labels, positions = shard_sequence(list(batch), mesh["cp"])
         return sum_loss(example.forward(model, ids, positions), labels) / token_count(args, step)
     losses = _train(args, opt, step_loss, lambda loss: float(platform.all_reduce(loss, replicas.get_group())),
@@ -158,7 +188,8 @@ def train_single(args, example):
     def step_loss(step):
         count = token_count(args, step)
         return sum(sum_loss(example.forward(model, ids, positions), labels) / count
-                   for ids, labels, positions in (global_batch(args, step, d) for d in range(args.dp)))
+                   for ids, labels, positions in (global_batch(args, step, d)
+                                                  for d in range(data_ranks(args))))
     return _train(whole, example.optimizer(model, args), step_loss, float, verbose=False)
 
 
@@ -237,9 +268,9 @@ def launch(run, argv, args):
     check_mode(args)
     if "RANK" in os.environ:
         return run(argv)
-    world = args.dp * args.cp * args.tp
-    print(f"spawning {world} local ranks: dp={args.dp} cp={args.cp} tp={args.tp} mode={args.mode}",
-          flush=True)
+    world = data_ranks(args) * args.cp * args.tp
+    print(f"spawning {world} local ranks: dp={args.dp} dp_shard={dp_shard_degree(args)} cp={args.cp} "
+          f"tp={args.tp} mode={args.mode}", flush=True)
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(run, r, world, port, argv)) for r in range(world)]

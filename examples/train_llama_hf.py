@@ -1,6 +1,7 @@
-"""Train a tiny Hugging Face Llama (random init) with TP × CP × DP on local CPU ranks.
+"""Train a tiny Hugging Face Llama (random init) with TP × CP × DP (or fully_shard) on local CPU ranks.
 
     python examples/train_llama_hf.py --cp 2 --tp 2 --mode ulysses --steps 5 --check
+    python examples/train_llama_hf.py --dp-shard 2 --cp 1 --tp 2 --check     # ZeRO-3 × TP
     torchrun --nproc_per_node 4 examples/train_llama_hf.py --cp 2 --tp 2     # or under a launcher
 
 Without a launcher it spawns dp × cp × tp local ranks (gloo). Every step prints the global loss;
@@ -8,7 +9,10 @@ Without a launcher it spawns dp × cp × tp local ranks (gloo). Every step print
 step's loss matches to 1e-5 (fp32). ``--save DIR`` writes a DCP checkpoint of the model and AdamW
 state after the last step; ``--resume DIR`` loads it on whatever layout the flags give (another
 --tp / --cp / --mode) and trains --steps more, which ``--check`` compares with one process training
-every step straight through (docs/training.md, "Checkpoints"). Needs ``pip install 'hyper-parallel[hf]'``.
+every step straight through (docs/training.md, "Checkpoints"). ``--dp-shard N`` shards parameters,
+gradients and AdamW state over N more ranks (``parallelize_model(..., dp_shard="dp_shard")``: each
+decoder layer and the root under fully_shard, over the flattened dp_shard × cp ranks; with --dp > 1
+HSDP), instead of data_parallel's replicas. Needs ``pip install 'hyper-parallel[hf]'``.
 """
 import os
 import sys
@@ -23,7 +27,8 @@ except ImportError:   # loaded by its path (a test): the examples folder is not 
 
 
 def parse_args(argv=None):
-    return _common.parser(__doc__, width_flag="--hidden", cp=True, checkpoint=True).parse_args(argv)
+    return _common.parser(__doc__, width_flag="--hidden", cp=True, checkpoint=True,
+                          dp_shard=True).parse_args(argv)
 
 
 def build_model(args):
@@ -38,7 +43,9 @@ def build_model(args):
 
 def parallelize(model, mesh, mode):
     from hyper_parallel.integrations.transformers import parallelize_model
-    return parallelize_model(model, mesh, **_common.CP_MODES[mode])
+    # the loss is normalised by the global token count: fully_shard sums the gradients
+    sharded = "dp_shard" in mesh.mesh_dim_names
+    return parallelize_model(model, mesh, **({"average": False} if sharded else {}), **_common.CP_MODES[mode])
 
 
 def forward(model, ids, positions):

@@ -7,9 +7,11 @@ The model is torchtitan's own ``Llama3Model`` (``torchtitan.models.llama3``); on
 parallelization is this library's: torchtitan's tensor + sequence parallel plan written with
 hyper_parallel's styles (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``,
 ``PrepareModuleInput``), ``ContextParallel`` on each layer's inner attention and ``data_parallel``
-over the dp × cp ranks. Without a launcher it spawns dp × cp × tp local ranks (gloo). Every step
-prints the global loss; ``--check`` then trains the same model on the same batches in one process
-and fails unless every step's loss matches to 1e-5 (fp32).
+over the dp × cp ranks (``--dp-shard N``: ``fully_shard`` on each block and the root over the
+flattened dp_shard × cp ranks instead, as torchtitan's FSDP2). Without a launcher it spawns
+dp × dp_shard × cp × tp local ranks (gloo). Every step prints the global loss; ``--check`` then
+trains the same model on the same batches in one process and fails unless every step's loss matches
+to 1e-5 (fp32).
 Needs ``pip install 'hyper-parallel[titan]'`` (torchtitan 0.3 and triton, which imports on CPU).
 """
 import os
@@ -28,7 +30,7 @@ def parse_args(argv=None):
     kv_heads = ("--kv-heads", {"type": int, "default": None,
                                "help": "grouped-query attention (default: --heads)"})
     return _common.parser(__doc__, cp=True, tp_help="tensor-parallel ranks (with sequence parallel)",
-                          extra=[kv_heads]).parse_args(argv)
+                          extra=[kv_heads], dp_shard=True).parse_args(argv)
 
 
 def validate(args):
@@ -103,7 +105,8 @@ def tp_plan():
 
 
 def parallelize(model, mesh, mode):
-    """TP+SP on mesh["tp"], ContextParallel on every inner attention over mesh["cp"]."""
+    """TP+SP on mesh["tp"], ContextParallel on every inner attention over mesh["cp"], fully_shard
+    over dp_shard (× cp) when the mesh has that dim."""
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
     from hyper_parallel import ContextParallel, parallelize_module
@@ -119,7 +122,20 @@ def parallelize(model, mesh, mode):
         for layer in model.layers.values():   # q, k, v: (batch, seq, heads, head_dim)
             parallelize_module(layer.attention.inner_attention, mesh["cp"],
                                ContextParallel(seq_dim=1, head_dim=2, **_common.CP_MODES[mode]))
+    if "dp_shard" in mesh.mesh_dim_names:
+        shard(model, mesh)
     return model
+
+
+def shard(model, mesh):
+    """fully_shard each block, then the root (torchtitan's FSDP2 layout), summing gradients: the
+    loss is already each rank's share of the global token mean."""
+    from hyper_parallel import fully_shard
+    from hyper_parallel.integrations.hf_fully_shard import shard_mesh
+    sharding = shard_mesh(mesh, "dp_shard", "cp")
+    for layer in model.layers.values():
+        fully_shard(layer, sharding, average=False)
+    fully_shard(model, sharding, average=False)
 
 
 def forward(model, ids, positions):

@@ -9,9 +9,15 @@ from hyper_parallel.platform import get_platform
 
 
 def shard_mesh(mesh, dp_shard, cp):
+    """The mesh fully_shard shards over (see the module docstring). A size-1 ``cp`` or
+    ``dp_replicate`` dim is left out: it changes nothing, and the examples' meshes always name them."""
     names = tuple(mesh.mesh_dim_names or ())
     if mesh.ndim == 1:
         return mesh
+    if cp is not None and mesh[cp].size() == 1:
+        cp = None
+    if "dp_replicate" in names and mesh["dp_replicate"].size() == 1:
+        names = tuple(n for n in names if n != "dp_replicate")
     if cp is not None:
         if "dp_replicate" in names:
             raise ValueError(f"parallelize_model: a mesh with dims {names} has dp_replicate, {dp_shard!r} "
@@ -36,10 +42,11 @@ def decoder_layers(model):
                      f"to shard layer by layer; apply hyper_parallel.fully_shard to its blocks yourself")
 
 
-def apply_fully_shard(model, mesh, dp_shard, cp):
-    """fully_shard each decoder layer, then the whole model, over ``shard_mesh(...)``."""
+def apply_fully_shard(model, mesh, dp_shard, cp, average=True):
+    """fully_shard each decoder layer, then the whole model, over ``shard_mesh(...)``; ``average``
+    as fully_shard's (False for a loss already normalised by the global token count)."""
     sharding = shard_mesh(mesh, dp_shard, cp)
     for layer in decoder_layers(model):
-        fully_shard(layer, sharding)
-    fully_shard(model, sharding)
+        fully_shard(layer, sharding, average=average)
+    fully_shard(model, sharding, average=average)
     return model

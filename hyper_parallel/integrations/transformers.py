@@ -29,16 +29,20 @@ def _sub_mesh(mesh, name, role):
     return sub
 
 
-def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shard",
+def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shard", average=True,
                       **context_parallel_kwargs):
     """Tensor parallelism on mesh dim ``tp`` (the model's ``base_model_tp_plan``) and context-parallel
     attention on mesh dim ``cp`` (``context_parallel_kwargs`` go to ``ContextParallel``, e.g.
     ``ulysses_degree=1``, ``load_balance=True``, ``kv_exchange="ring"``). A dim absent from the
     mesh (or ``None``) is skipped. Call the model with each rank's sequence block of every per-token
     input (``shard_sequence``). A ``dp_shard`` dim applies ``fully_shard`` to each decoder layer and the
-    root (hf_fully_shard.py; then no data_parallel is needed). Returns the model."""
+    root (hf_fully_shard.py; then no data_parallel is needed), averaging the gradients over those
+    ranks, or summing them with ``average=False`` (a loss normalised by the global token count).
+    Returns the model."""
     if getattr(model, "_hp_parallelized", False):
         raise ValueError("parallelize_model was already applied to this model")
+    if not isinstance(average, bool):
+        raise ValueError(f"parallelize_model(average={average!r}): pass True or False")
     tp_mesh = _sub_mesh(device_mesh, tp, "tensor-parallel")
     cp_mesh = _sub_mesh(device_mesh, cp, "context-parallel")
     fsdp = dp_shard is not None and dp_shard in (device_mesh.mesh_dim_names or ())
@@ -46,6 +50,10 @@ def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shar
         raise ValueError(f"parallelize_model: the mesh {device_mesh.mesh_dim_names} has neither a {tp!r}, "
                          f"a {cp!r} nor a {dp_shard!r} dim; name the mesh dims (mesh_dim_names=...) or pass "
                          f"tp=/cp=/dp_shard=")
+    if not average and not fsdp:
+        raise ValueError(f"parallelize_model(average=False) sets fully_shard's gradient reduction, but the "
+                         f"mesh {device_mesh.mesh_dim_names} has no {dp_shard!r} dim; pass "
+                         f"data_parallel(model, mesh, average=False) for replicated data parallelism")
     if context_parallel_kwargs and cp_mesh is None:
         raise ValueError(f"parallelize_model: context-parallel options {sorted(context_parallel_kwargs)} "
                          f"given but the mesh has no {cp!r} dim")
@@ -57,6 +65,6 @@ def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shar
         apply_context_parallel(model, state, context_parallel_kwargs)
     if fsdp:
         from hyper_parallel.integrations.hf_fully_shard import apply_fully_shard
-        apply_fully_shard(model, device_mesh, dp_shard, cp if cp_mesh is not None else None)
+        apply_fully_shard(model, device_mesh, dp_shard, cp if cp_mesh is not None else None, average)
     model._hp_parallelized = True
     return model
