@@ -7,17 +7,17 @@ forwarders, the differentiable collectives) or to a framework lacking the concep
 """
 import abc
 import threading
-
 from hyper_parallel.platform.handles import AsyncHandle, CompletedHandle  # noqa: F401  (re-exported)
 from hyper_parallel.platform.training_contract import TrainingLoopContract, unavailable as _unavailable
 from hyper_parallel.platform.split_collectives import SplitCollectivesContract
+from hyper_parallel.platform.linear_algebra_contract import LinearAlgebraContract
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
 
-class Platform(TrainingLoopContract, SplitCollectivesContract, abc.ABC):
-    """Abstract platform. A subclass sets ``_comm`` (its raw collectives) in ``__init__``. The
-    training-loop members are declared in training_contract.py, split collectives in split_collectives.py."""
+class Platform(TrainingLoopContract, SplitCollectivesContract, LinearAlgebraContract, abc.ABC):
+    """Abstract platform. A subclass sets ``_comm`` (its raw collectives) in ``__init__``. Declared in their
+    own files: the training loop, split collectives, the delta rule's linear algebra (*_contract.py)."""
 
     name = "abstract"
     # ---------------------------------------------------------------- framework classes

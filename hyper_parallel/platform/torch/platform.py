@@ -17,10 +17,11 @@ from hyper_parallel.platform.torch import fully_shard_support
 from hyper_parallel.platform.torch.aten_kinds import aten_kind, foreach_to_single, written_arguments
 from hyper_parallel.platform.torch.collectives import Collectives
 from hyper_parallel.platform.torch.dtensor_base import TorchDTensorBase
+from hyper_parallel.platform.torch.linear_algebra import TorchLinearAlgebra
 from hyper_parallel.platform.torch.memory import PeakMemory
 
 
-class TorchPlatform(Platform):
+class TorchPlatform(TorchLinearAlgebra, Platform):
     name = "torch"
     Tensor = torch.Tensor
     Module = torch.nn.Module

@@ -1,0 +1,46 @@
+"""What the linear-attention entry points check before any data moves.
+
+Every check reads only this rank's arguments, whose shapes CP ranks share (a rank's block differs
+from another's in length only), so each raises the same ValueError on every rank before the first
+collective. Messages name the offending value and the fix.
+"""
+MODES = ("allgather", "p2p")
+
+
+def _dims(name, x, want):
+    if x.dim() != want:
+        raise ValueError(f"delta rule: {name} has {x.dim()} dims {tuple(x.shape)}; pass (batch, seq, heads"
+                         f"{', dim' if want == 4 else ''}) per token")
+
+
+def check_delta_rule(q, k, v, g, beta, mode, chunk_size, initial_state):
+    if mode not in MODES:
+        raise ValueError(f"delta rule: mode={mode!r} is not one of {MODES}; pass 'allgather' (one "
+                         "all-gather of the block summaries) or 'p2p' (states passed rank to rank)")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"delta rule: chunk_size={chunk_size!r}; pass a positive int (64 in the reference)")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _dims(name, x, 4)
+    _dims("beta", beta, 3)
+    b, t, h_k, d_k = k.shape
+    h_v = v.shape[2]
+    if tuple(q.shape) != tuple(k.shape) or v.shape[:2] != k.shape[:2] or h_v % h_k:
+        raise ValueError(f"delta rule: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: q "
+                         "and k must match and v's value heads must be a multiple of k's heads, same batch and seq")
+    gates = ((b, t, h_v), (b, t, h_v, d_k))
+    if tuple(g.shape) not in gates or tuple(beta.shape) != gates[0]:
+        raise ValueError(f"delta rule: g {tuple(g.shape)} / beta {tuple(beta.shape)}; pass g as {gates[0]} "
+                         f"(a decay per head, GDN) or {gates[1]} (per channel, KDA) and beta as {gates[0]}")
+    state = (b, h_v, d_k, v.shape[3])
+    if initial_state is not None and tuple(initial_state.shape) != state:
+        raise ValueError(f"delta rule: initial_state has shape {tuple(initial_state.shape)}; pass {state} "
+                         "(batch, value heads, d_k, d_v), the same on every rank, or None")
+
+
+def check_conv(x, weight, kernel, local_length):
+    if weight.dim() != 2 or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"causal conv: weight {tuple(weight.shape)} for input {tuple(x.shape)}; pass the "
+                         "depthwise weight as (channels, kernel) with x as (batch, channels, seq)")
+    if local_length < kernel - 1:
+        raise ValueError(f"causal conv: this rank's block has {local_length} tokens, fewer than the "
+                         f"kernel's halo of {kernel - 1}; use fewer CP ranks or a longer sequence")
