@@ -1,6 +1,7 @@
 """Linear attention under context parallelism: the gated delta rule (Gated DeltaNet, Kimi Delta
 Attention) and its short causal convolution on sequence blocks, exact (SPEC §13)."""
 from hyper_parallel.core.context_parallel.linear_attention.chunk_rule import chunk_delta_rule
+from hyper_parallel.core.context_parallel.linear_attention.conv_halo import context_parallel_causal_conv1d
 from hyper_parallel.core.context_parallel.linear_attention.delta_rule import context_parallel_delta_rule
 
-__all__ = ["chunk_delta_rule", "context_parallel_delta_rule"]
+__all__ = ["chunk_delta_rule", "context_parallel_causal_conv1d", "context_parallel_delta_rule"]
