@@ -323,7 +323,7 @@ def _run_case(op, outcome, run, tag):
     """Run one check; file its result under ``outcome``. Seeded alike for reference and DTensor runs
     (random ops must match single device under the same seed)."""
     import torch
-    from hyper_parallel.core.dtensor.fallback import recording_fallbacks
+    from hyper_parallel.core.dtensor.dispatch.fallback import recording_fallbacks
     torch.manual_seed(zlib.crc32(tag.encode()))
     try:
         with recording_fallbacks() as names:

@@ -66,7 +66,7 @@ def _load_case(rank, world_size, path):
     assert state["step"] == 7
     # a pickled DTensor whose mesh this process lacks: an error that names the fix
     import pytest
-    from hyper_parallel.core.dtensor.checkpoint import find_mesh
+    from hyper_parallel.core.dtensor.mesh_registry import find_mesh
     with pytest.raises(ValueError, match="with mesh:"):
         find_mesh(("cpu", (1,), (rank,), ("tp",)))
     return True

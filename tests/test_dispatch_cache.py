@@ -7,7 +7,7 @@ def repeated_steps(rank, world_size):
     import torch
     import torch.nn.functional as F
     from hyper_parallel import Shard, Replicate, distribute_tensor, init_device_mesh, loss_parallel
-    from hyper_parallel.core.dtensor import decision_cache
+    from hyper_parallel.core.dtensor.dispatch import decision_cache
     mesh = init_device_mesh("cpu", (world_size,))
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(8, 6, generator=g), torch.randn(6, 10, generator=g)

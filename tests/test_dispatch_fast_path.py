@@ -54,7 +54,7 @@ def _run(fn, x, w, mesh, placements, grad):
 def fast_equals_slow(rank, world_size):
     import torch
     from hyper_parallel import init_device_mesh
-    from hyper_parallel.core.dtensor import decision_cache
+    from hyper_parallel.core.dtensor.dispatch import decision_cache
     mesh = init_device_mesh("cpu", (world_size,))
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(4 * world_size, 8, generator=g), torch.randn(8, 8, generator=g)
@@ -94,7 +94,7 @@ def fast_path_boundaries(rank, world_size):
     """Calls the fast path must leave to the full dispatcher, and a leaf used without autograd."""
     import torch
     from hyper_parallel import Replicate, Shard, distribute_tensor, init_device_mesh
-    from hyper_parallel.core.dtensor import decision_cache
+    from hyper_parallel.core.dtensor.dispatch import decision_cache
     mesh = init_device_mesh("cpu", (world_size,))
     x = torch.arange(4.0 * world_size * 6).reshape(4 * world_size, 6)
     dx = distribute_tensor(x, mesh, [Shard(0)])
@@ -135,7 +135,7 @@ def test_fast_path_boundaries():
 def _slow_then_fast(torch, build):
     """``build()`` once through the full dispatcher (caches cleared), then again through the fast
     path; both results (flat lists of tensors / values) must be identical."""
-    from hyper_parallel.core.dtensor import decision_cache
+    from hyper_parallel.core.dtensor.dispatch import decision_cache
     decision_cache.clear()
     slow = build()
     assert decision_cache.STATS["fast_hits"] == 0, (build.__name__, decision_cache.STATS)
@@ -228,7 +228,7 @@ def operator_methods(rank, world_size):
     what they were."""
     import torch
     from hyper_parallel import Replicate, Shard, distribute_tensor, init_device_mesh
-    from hyper_parallel.core.dtensor import decision_cache
+    from hyper_parallel.core.dtensor.dispatch import decision_cache
     mesh = init_device_mesh("cpu", (world_size,))
     g = torch.Generator().manual_seed(2)
     x, y, w = (torch.randn(4 * world_size, 8, generator=g), torch.randn(4 * world_size, 8, generator=g),

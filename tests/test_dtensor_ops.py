@@ -456,7 +456,7 @@ def _fallback_case(rank, world_size):
     """Strict dispatch raises naming the op; without it the fallback warns once and is correct."""
     import torch
     from hyper_parallel import Replicate, Shard
-    from hyper_parallel.core.dtensor import fallback
+    from hyper_parallel.core.dtensor.dispatch import fallback
     c = Checks(_mesh((world_size,)))
     x = c.randn("fallback", 6, 5)
     failures = []

@@ -333,7 +333,7 @@ def _no_fallback_ops(rank, world_size):
     import torch
     import torch.nn.functional as F
     from hyper_parallel import Replicate, Shard, distribute_tensor
-    from hyper_parallel.core.dtensor.fallback import recording_fallbacks
+    from hyper_parallel.core.dtensor.dispatch.fallback import recording_fallbacks
     mesh = _mesh(world_size)
     cases = {
         "chunk": (lambda t: torch.cat([c * (i + 1) for i, c in enumerate(t.chunk(2, 1))], 1), (6, 8)),

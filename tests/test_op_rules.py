@@ -192,7 +192,7 @@ def _check_case(rank, world_size, mesh_shape, name, table=None):
     takes the replicated fallback."""
     import torch
     from hyper_parallel import DTensor, init_device_mesh
-    from hyper_parallel.core.dtensor.fallback import recording_fallbacks
+    from hyper_parallel.core.dtensor.dispatch.fallback import recording_fallbacks
 
     mesh = init_device_mesh("cpu", tuple(mesh_shape))
     build, op, layouts = (table or _case_table)()[name]
@@ -301,7 +301,7 @@ def _llama_step(rank, world_size, hf_loss=False, cache=False):
     import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
     from hyper_parallel import DTensor, init_device_mesh
-    from hyper_parallel.core.dtensor.fallback import recording_fallbacks
+    from hyper_parallel.core.dtensor.dispatch.fallback import recording_fallbacks
     from hyper_parallel.integrations.transformers import parallelize_model
 
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -104,7 +104,7 @@ def _in_place_effects(rank, world_size):
     base; out= writes into out in out's own layout; bad out= shapes raise before any collective."""
     import torch
     from hyper_parallel import Shard, distribute_tensor, init_device_mesh
-    from hyper_parallel.core.dtensor.fallback import recording_fallbacks
+    from hyper_parallel.core.dtensor.dispatch.fallback import recording_fallbacks
     mesh = init_device_mesh("cpu", (world_size,))
     g = torch.Generator().manual_seed(1)
     x, a, b = torch.randn(5, 7, generator=g), torch.randn(5, 6, generator=g), torch.randn(6, 7, generator=g)

@@ -252,7 +252,7 @@ def fallback_and_strict(rank, world_size):
     import os
     import warnings
     from hyper_parallel import DTensor, Replicate, Shard
-    from hyper_parallel.core.dtensor import fallback
+    from hyper_parallel.core.dtensor.dispatch import fallback
     fw = current()
     mesh = _mesh(world_size)
     x = inp("fb", 0, (world_size * 2, 3))

@@ -161,7 +161,7 @@ def _run_op(fn, xs, placements, mesh):
     """The op on DTensors of ``xs``: (output DTensor, gradients of the local float inputs through
     a scalar DTensor loss returned to ms.grad, weights used, used the fallback)."""
     from hyper_parallel import DTensor, Replicate
-    from hyper_parallel.core.dtensor import fallback
+    from hyper_parallel.core.dtensor.dispatch import fallback
     locals_ = [t(local_piece(x, p, mesh)) for x, p in zip(xs, placements)]
 
     def dist(*locs):

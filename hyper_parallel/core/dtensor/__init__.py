@@ -4,6 +4,10 @@ from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Repl
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.api import distribute_module, distribute_tensor
 from hyper_parallel.core.dtensor import ops  # noqa: F401  (registers the sharding rules)
+# the modules that attach DTensor's entry points (dtensor.py imports none of them)
+from hyper_parallel.core.dtensor.dispatch import fallback, fast_path  # noqa: F401
+from hyper_parallel.core.dtensor.aten import aten_dispatch, foreach  # noqa: F401
+from hyper_parallel.core.dtensor import checkpoint, redistribute_cast  # noqa: F401
 from hyper_parallel.core.dtensor.local_map import implicit_replication, local_map
 from hyper_parallel.core.dtensor.ops.user_sharding import register_sharding
 

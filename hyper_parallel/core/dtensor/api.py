@@ -2,6 +2,7 @@
 import numpy as np
 
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
+from hyper_parallel.core.dtensor.mesh_registry import remember_mesh, resolve_mesh
 from hyper_parallel.core.dtensor.placement_types import Replicate, normalize_placements
 from hyper_parallel.core.dtensor.rank_check import (check_replicated_values, check_same_meta, debug_checks,
                                                     is_meta)
@@ -55,8 +56,6 @@ def distribute_tensor(tensor, device_mesh=None, placements=None, *, src_data_ran
     rank outside ``device_mesh`` gets an empty local piece and communicates nothing, as in PyTorch.
     ``device_mesh`` defaults to the mesh of the innermost ``with mesh:`` block.
     """
-    from hyper_parallel.core.dtensor.checkpoint import remember_mesh
-    from hyper_parallel.core.dtensor.factories import resolve_mesh
     device_mesh = remember_mesh(resolve_mesh(device_mesh, "distribute_tensor"))
     placements = placements or [Replicate()] * device_mesh.ndim
     placements = normalize_placements(placements, tensor.ndim, device_mesh.ndim)
@@ -103,7 +102,6 @@ def distribute_module(module, device_mesh=None, partition_fn=None, input_fn=None
     and buffer it left as a plain tensor a Replicate DTensor; install ``input_fn(module, inputs,
     mesh)`` / ``output_fn(module, outputs, mesh)`` as forward hooks. ``device_mesh`` defaults to the
     ``with mesh:`` mesh."""
-    from hyper_parallel.core.dtensor.factories import resolve_mesh
     device_mesh = resolve_mesh(device_mesh, "distribute_module")
     platform = get_platform()
     for name, submodule in list(platform.named_modules(module)):

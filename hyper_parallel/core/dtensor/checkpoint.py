@@ -10,23 +10,12 @@ the whole world, a new one (every rank loads, so every rank creates its groups i
 Checkpoints that change the mesh or placements go through ``torch.distributed.checkpoint``, whose
 protocol (each piece's global offsets) the platform's DTensor implements from ``local_box``.
 """
-import weakref
-
-from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, current_mesh
+from hyper_parallel.core.dtensor.dtensor import DTensor, attach
+from hyper_parallel.core.dtensor.mesh_registry import find_mesh, remember_mesh
 from hyper_parallel.core.dtensor.placement_types import HeadTailShard, Partial, Replicate, Shard, StridedShard
 from hyper_parallel.core.dtensor.spec import DTensorSpec
-from hyper_parallel.platform import get_platform
 
 __all__ = ["describe", "rebuild", "remember_mesh", "checkpoint_box"]
-
-# meshes this process has made DTensors on, by identity (mesh shape, dim names, ranks)
-_MESHES = weakref.WeakValueDictionary()
-
-
-def remember_mesh(mesh):
-    _MESHES[mesh.to_hash()] = mesh
-    return mesh
-
 
 def _encode_placement(p):
     if isinstance(p, StridedShard):
@@ -56,39 +45,8 @@ def describe(dtensor):
             tuple(int(s) for s in spec.shape), bool(dtensor.requires_grad))
 
 
-def _candidates():
-    yield from list(_MESHES.values())
-    mesh = current_mesh()
-    if mesh is not None:
-        yield mesh
-        root = mesh.root_mesh or mesh
-        names = root.mesh_dim_names or ()
-        yield root
-        for name in names:
-            yield root[name]
-
-
-def find_mesh(mesh_desc):
-    """The mesh of this process described by ``mesh_desc`` (see module docstring)."""
-    device_type, mesh_shape, ranks, names = mesh_desc
-    key = (tuple(mesh_shape), None if names is None else tuple(names), tuple(ranks))
-    for mesh in _candidates():
-        if mesh.to_hash() == key:
-            return remember_mesh(mesh)
-    platform = get_platform()
-    if sorted(ranks) == list(range(platform.get_world_size())):
-        import numpy as np
-        grid = np.asarray(ranks, dtype=np.int64).reshape(mesh_shape)
-        return remember_mesh(DeviceMesh(device_type, grid, mesh_dim_names=names))
-    raise ValueError(f"loading a DTensor saved on the mesh {list(ranks)} of shape {tuple(mesh_shape)} "
-                     f"(dims {names}), which this process does not have: create that mesh and load inside "
-                     f"`with mesh:` (a sub-mesh is found by its dim name), or use "
-                     f"torch.distributed.checkpoint to load onto another mesh")
-
-
 def rebuild(local, mesh_desc, placements, shape, requires_grad):
     """The DTensor ``describe`` described, on this process's copy of its mesh."""
-    from hyper_parallel.core.dtensor.dtensor import DTensor
     mesh = find_mesh(mesh_desc)
     spec = DTensorSpec(mesh, tuple(_DECODE[p[0]](*p[1:]) for p in placements), tuple(shape))
     if mesh.get_coordinate() is not None and tuple(local.shape) != spec.local_shape:
@@ -113,3 +71,9 @@ def checkpoint_box(dtensor):
     offsets = tuple(int(start) for start, _ in box)
     sizes = tuple(int(size) for _, size in box)
     return offsets, sizes
+
+
+# the hooks of pickling and torch.distributed.checkpoint, called by the platform's DTensor base
+attach("_hp_describe", describe, kind=None)
+attach("_hp_checkpoint_box", checkpoint_box, kind=None)
+attach("_hp_rebuild", rebuild)

@@ -1,11 +1,18 @@
 """DTensor: a global tensor stored as one shard per rank of a DeviceMesh.
 
 The class is framework-neutral: the platform supplies its base (for torch, a wrapper tensor
-subclass) and core does the rest. Ops with a sharding rule run on the local shards under the
-framework's ordinary autograd (``dispatch.py``); conversions between local and distributed views
-and between layouts are the three differentiable functions below.
+subclass) and core does the rest. Conversions between local and distributed views and between
+layouts are the three differentiable functions below.
+
+DTensor imports none of the code that runs ops on it: the dispatcher (``dispatch/``), the aten-level
+path (``aten/``), checkpointing and the casting redistribution each attach their entry points to
+the class when imported (``attach``), the way sharding rules register themselves; the package's
+``__init__`` imports them all. So every module here can import DTensor, and DTensor none of them.
 """
+from hyper_parallel.core.autograd_functions import lazy_autograd_function
+from hyper_parallel.core.dtensor import rank_check as rc
 from hyper_parallel.core.dtensor.layout import grad_placements
+from hyper_parallel.core.dtensor.mesh_registry import remember_mesh, resolve_mesh
 from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, normalize_placements
 from hyper_parallel.core.dtensor.redistribute import redistribute_local
 from hyper_parallel.core.dtensor.spec import DTensorSpec
@@ -22,31 +29,14 @@ class DTensor(get_platform().DTensorBase):
         obj._spec = spec
         return obj
 
-    # ------------------------------------------------------------------ dispatch hooks
-    @classmethod
-    def _hp_function(cls, name, func, args, kwargs, hit_only=False):
-        """``hit_only``: NotImplemented unless the dispatch fast path answers (the platform's
-        operator methods, which then take the usual route)."""
-        return _dispatch(name, func, args, kwargs, hit_only)
-
-    @classmethod
-    def _hp_aten(cls, func, args, kwargs):
-        from hyper_parallel.core.dtensor.aten_dispatch import dispatch_aten
-        return dispatch_aten(func, args, kwargs)
-
-    # checkpoint hooks (pickling, torch.distributed.checkpoint), called by the platform's base class
-    def _hp_describe(self):
-        from hyper_parallel.core.dtensor.checkpoint import describe
-        return describe(self)
-
-    def _hp_checkpoint_box(self):
-        from hyper_parallel.core.dtensor.checkpoint import checkpoint_box
-        return checkpoint_box(self)
-
-    @staticmethod
-    def _hp_rebuild(local, mesh_desc, placements, shape, requires_grad):
-        from hyper_parallel.core.dtensor.checkpoint import rebuild
-        return rebuild(local, mesh_desc, placements, shape, requires_grad)
+    # ------------------------------------------------------------------ attached entry points
+    # The platform's base class calls these; the modules that implement them replace them when
+    # imported (see ``attach``): _hp_function (dispatch/fast_path.py), _hp_replicated
+    # (dispatch/fallback.py), _hp_aten (aten/aten_dispatch.py), _hp_fused (aten/foreach.py),
+    # _hp_describe / _hp_checkpoint_box / _hp_rebuild (checkpoint.py), _redistribute_cast
+    # (redistribute_cast.py).
+    _hp_function = _hp_replicated = _hp_aten = _hp_fused = _redistribute_cast = None
+    _hp_describe = _hp_checkpoint_box = _hp_rebuild = None
 
     # gradient-layout hooks: MindSpore's autograd bridge carries gradients as local tensors
     def _hp_grad_spec(self):
@@ -56,17 +46,6 @@ class DTensor(get_platform().DTensorBase):
     @staticmethod
     def _hp_as_layout(value, spec):
         return as_layout(value, spec)
-
-    @classmethod
-    def _hp_replicated(cls, name, op, args, kwargs):
-        """An op without a rule at the function level, run on replicated values (fallback.py)."""
-        from hyper_parallel.core.dtensor.fallback import run_replicated
-        return run_replicated(name, op, args, kwargs)
-
-    @classmethod
-    def _hp_fused(cls, func, args, kwargs):
-        from hyper_parallel.core.dtensor.foreach import run_fused
-        return run_fused(func, args, kwargs)
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -84,9 +63,6 @@ class DTensor(get_platform().DTensorBase):
         first call of each signature, on every call with ``run_check=True`` or ``HP_DTENSOR_DEBUG=1``
         (rank_check.py). ``run_check=True`` also gives every rank of a Replicate mesh dim the first
         rank's value, as PyTorch does; debug mode instead raises when Replicate pieces differ."""
-        from hyper_parallel.core.dtensor import rank_check as rc
-        from hyper_parallel.core.dtensor.checkpoint import remember_mesh
-        from hyper_parallel.core.dtensor.factories import resolve_mesh
         device_mesh = remember_mesh(resolve_mesh(device_mesh, "DTensor.from_local"))
         given = placements or [Replicate()] * device_mesh.ndim
         spec, problem = _local_spec(local_tensor, device_mesh, given, shape)
@@ -129,8 +105,7 @@ class DTensor(get_platform().DTensorBase):
             raise ValueError("redistribute needs placements, e.g. [Replicate()]")
         placements = normalize_placements(placements, self.ndim, self._spec.mesh.ndim)
         if forward_dtype is not None or backward_dtype is not None:
-            from hyper_parallel.core.dtensor.redistribute_cast import redistribute_cast
-            return redistribute_cast(self, placements, forward_dtype, backward_dtype)
+            return DTensor._redistribute_cast(self, placements, forward_dtype, backward_dtype)
         if placements == self._spec.placements:
             return self
         return _redistribute(self, placements)
@@ -160,12 +135,11 @@ class DTensor(get_platform().DTensorBase):
                 f"placements={self._spec.placements}, shape={tuple(self._spec.shape)})")
 
 
-def _dispatch(name, func, args, kwargs, hit_only=False):
-    """The first call binds the dispatcher (which imports this module) as ``_hp_function`` itself:
-    later calls reach it without an import statement or an extra frame per op."""
-    from hyper_parallel.core.dtensor.fast_path import dispatch
-    DTensor._hp_function = staticmethod(dispatch)
-    return dispatch(name, func, args, kwargs, hit_only)
+def attach(name, function, kind=staticmethod):
+    """Install ``function`` as ``DTensor.<name>`` (``kind``: staticmethod, or None for a method that
+    receives the DTensor): the entry points listed in the class are attached by the modules that
+    implement them, when imported."""
+    setattr(DTensor, name, function if kind is None else kind(function))
 
 
 # ---------------------------------------------------------------------- differentiable conversions
@@ -237,11 +211,9 @@ def _redistribute_backward(ctx, grad):
     return as_layout(grad, ctx.src.with_placements(grad_placements(ctx.src.placements))), None
 
 
-_from_local_fn = get_platform().make_autograd_function("FromLocal", _from_local_forward,
-                                                       _from_local_backward)
-_to_local_fn = get_platform().make_autograd_function("ToLocal", _to_local_forward, _to_local_backward)
-_redistribute_fn = get_platform().make_autograd_function("Redistribute", _redistribute_forward,
-                                                         _redistribute_backward)
+_from_local_fn = lazy_autograd_function("FromLocal", _from_local_forward, _from_local_backward)
+_to_local_fn = lazy_autograd_function("ToLocal", _to_local_forward, _to_local_backward)
+_redistribute_fn = lazy_autograd_function("Redistribute", _redistribute_forward, _redistribute_backward)
 
 
 def _from_local(local, spec, passthrough=None, grad_spec=None):
@@ -298,4 +270,4 @@ def _local_spec(local_tensor, mesh, placements, shape):
     return DTensorSpec(mesh, placements, tuple(int(s) for s in shape)), None
 
 
-__all__ = ["DTensor", "as_layout"]
+__all__ = ["DTensor", "as_layout", "attach"]

@@ -4,23 +4,13 @@ Each rank allocates only its own piece, except the random ones: they draw the wh
 the framework's generator and keep this rank's piece, so the result equals the single-device
 draw under the same seed (as the random ops on DTensors do).
 """
-from hyper_parallel.core.dtensor.device_mesh import current_mesh
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
+from hyper_parallel.core.dtensor.mesh_registry import resolve_mesh
 from hyper_parallel.core.dtensor.placement_types import Replicate, normalize_placements
 from hyper_parallel.core.dtensor.spec import DTensorSpec
 from hyper_parallel.platform import get_platform
 
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "resolve_mesh"]
-
-
-def resolve_mesh(device_mesh, who):
-    """``device_mesh``, or the mesh of the innermost ``with mesh:`` block."""
-    if device_mesh is not None:
-        return device_mesh
-    mesh = current_mesh()
-    if mesh is None:
-        raise ValueError(f"{who} needs a device_mesh: pass device_mesh=..., or call it inside `with mesh:`")
-    return mesh
 
 
 def _size(size, who):

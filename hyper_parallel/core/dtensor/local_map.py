@@ -14,7 +14,7 @@ import functools
 
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import normalize_placements
-from hyper_parallel.core.dtensor.tree import tree_flatten, tree_unflatten
+from hyper_parallel.core.dtensor.dispatch.tree import tree_flatten, tree_unflatten
 from hyper_parallel.platform import get_platform
 
 

@@ -22,6 +22,7 @@ import zlib
 
 import numpy as np
 
+from hyper_parallel.core.bounded_cache import BoundedCache
 from hyper_parallel.platform import get_platform
 
 DEBUG_ENV = "HP_DTENSOR_DEBUG"
@@ -115,7 +116,7 @@ def debug_checks():
     return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-_VERIFIED = set()
+_VERIFIED = BoundedCache(4096)
 
 
 def needs_check(key):
@@ -126,8 +127,6 @@ def needs_check(key):
 
 def mark_verified(key):
     # marked only after the check passed on every rank, so a call that raised is checked again
-    if len(_VERIFIED) > 4096:
-        _VERIFIED.clear()
     _VERIFIED.add(key)
 
 

@@ -7,6 +7,8 @@ gradient is cast to ``backward_dtype`` (default: the input's dtype) before the b
 collective, and the gradient returned to the input is always in the input's dtype, as autograd
 requires.
 """
+from hyper_parallel.core.autograd_functions import lazy_autograd_function
+from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout, attach
 from hyper_parallel.core.dtensor.layout import grad_placements
 from hyper_parallel.core.dtensor.redistribute import redistribute_local
 from hyper_parallel.platform import get_platform
@@ -17,7 +19,6 @@ def _cast(local, dtype):
 
 
 def _forward(ctx, dtensor, placements, forward_dtype, backward_dtype):
-    from hyper_parallel.core.dtensor.dtensor import DTensor
     spec = dtensor._spec
     ctx.src, ctx.in_dtype = spec, dtensor._local_tensor.dtype
     ctx.backward_dtype = backward_dtype or ctx.in_dtype
@@ -27,7 +28,6 @@ def _forward(ctx, dtensor, placements, forward_dtype, backward_dtype):
 
 
 def _backward(ctx, grad):
-    from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
     target = ctx.src.with_placements(grad_placements(ctx.src.placements))
     if isinstance(grad, DTensor):
         grad = DTensor._make(_cast(grad._local_tensor, ctx.backward_dtype), grad._spec)
@@ -37,7 +37,7 @@ def _backward(ctx, grad):
     return DTensor._make(_cast(out._local_tensor, ctx.in_dtype), out._spec), None, None, None
 
 
-_fn = get_platform().make_autograd_function("RedistributeCast", _forward, _backward)
+_fn = lazy_autograd_function("RedistributeCast", _forward, _backward)
 
 
 class _NoCtx:
@@ -50,3 +50,6 @@ def redistribute_cast(dtensor, placements, forward_dtype, backward_dtype):
     if platform.is_grad_enabled() and dtensor.requires_grad:
         return _fn(dtensor, placements, forward_dtype, backward_dtype)
     return _forward(_NoCtx(), dtensor, placements, forward_dtype, backward_dtype)
+
+
+attach("_redistribute_cast", redistribute_cast)

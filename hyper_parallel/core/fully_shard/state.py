@@ -8,7 +8,7 @@ gradients; the last launches the unit's reduce-scatter and frees its parameters.
 outermost unit that runs) initialises everything lazily on its first forward (after ``to_empty``)
 and, at the end of every backward, waits for the reductions and hands out the sharded gradients.
 """
-from hyper_parallel.core.dtensor.tree import tree_flatten
+from hyper_parallel.core.dtensor.dispatch.tree import tree_flatten
 from hyper_parallel.core.fully_shard.param_group import UNSHARDED
 from hyper_parallel.core.fully_shard.schedule import Schedule
 from hyper_parallel.platform import get_platform

@@ -10,13 +10,14 @@ from the layouts too (a batch split elsewhere in the mesh slices the masks alike
 """
 from hyper_parallel.core.context_parallel.masks.block_masks import Span
 from hyper_parallel.core.context_parallel.masks.masked_attention import masked_attention
-from hyper_parallel.core.dtensor.interceptors import Interceptor, intercepting
+from hyper_parallel.core.dtensor.dispatch.interceptors import Interceptor, intercepting
 from hyper_parallel.core.dtensor.ops.attention import ARG_NAMES
+from hyper_parallel.core.dtensor.ops.attention_variants import call_variant, local_sinks
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy
 
 PASS_THROUGH = frozenset({"transpose", "permute", "movedim", "t", "view", "identity", "cast", "expand",
                           "contiguous"})
-CONSUMERS = frozenset({"sdpa", "npu_fusion_attention"})
+CONSUMERS = frozenset({"sdpa", "attention", "npu_fusion_attention"})
 
 
 def check_call(call, kernel):
@@ -49,14 +50,19 @@ class MaskInterceptor(Interceptor):
         self.used = False
 
     def strategy(self, call):
-        if call.name != "sdpa":
+        if call.name not in ("sdpa", "attention"):
             raise ValueError("attention_masks with npu_fusion_attention under ContextParallel is not "
                              "supported (its TND actual_seq_qlen/kvlen cover packed sequences split along T "
                              "as data parallelism); use F.scaled_dot_product_attention here")
         q, k, v = (call.arg(i, ARG_NAMES[i]) for i in range(3))
         if not all(self.follows(t) for t in (q, k, v)):
             return None
-        check_call(call, "F.scaled_dot_product_attention")
+        if call.name == "sdpa":
+            check_call(call, "F.scaled_dot_product_attention")
+        variant, sinks = call_variant(call)
+        if variant.window is not None:
+            raise ValueError(f"attention_masks: window={variant.window} together with padding / document masks "
+                             f"is not implemented; use the window without attention_masks")
         specs = [call.spec(t) for t in (q, k, v)]
         q_box, k_box = specs[0].local_box(), specs[1].local_box()
         seq_len = specs[0].shape[2]
@@ -66,13 +72,14 @@ class MaskInterceptor(Interceptor):
                              f"ContextParallel mode the masks support")
         if k_box[0] != q_box[0]:
             raise ValueError(f"attention_masks: q and k hold different batch rows ({q_box[0]} vs {k_box[0]})")
-        masks, causal, scale = self.masks, bool(call.arg(5, "is_causal", False)), call.arg(6, "scale")
+        masks, sinks = self.masks, local_sinks(sinks, specs[0])
         rows, q_span, k_span = Span(*q_box[0]), Span(*q_box[2]), Span(0, seq_len)
         self.used = True
 
         def local(call_, args, kwargs):
             values = [args[i] if i < len(args) else kwargs.get(ARG_NAMES[i]) for i in range(3)]
-            return masked_attention(*values, masks, rows, q_span, k_span, causal, scale)
+            return masked_attention(*values, masks, rows, q_span, k_span, variant.causal, variant.scale,
+                                    variant.softcap, sinks)
         inputs = [None] * len(call.specs)
         for t, s in zip((q, k, v), specs):
             inputs[call.index(t)] = s.placements

@@ -13,7 +13,7 @@ from hyper_parallel.core.bounded_cache import BoundedCache
 from hyper_parallel.core.context_parallel.layouts import mode_placements
 from hyper_parallel.core.context_parallel.movement.kv_all_gather import KVAllGather
 from hyper_parallel.core.context_parallel.movement.qkv_all_to_all import QKVAllToAll
-from hyper_parallel.core.dtensor.checkpoint import remember_mesh
+from hyper_parallel.core.dtensor.mesh_registry import remember_mesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 
 _MOVES = BoundedCache(4096)

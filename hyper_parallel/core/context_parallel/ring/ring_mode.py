@@ -12,17 +12,18 @@ from hyper_parallel.core.context_parallel.masks.masked_ring import masked_ring_a
 from hyper_parallel.core.context_parallel.masks.attention_masks import active_masks
 from hyper_parallel.core.context_parallel.ring.ring_attention import RingLayout, ring_attention
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.dtensor.interceptors import Interceptor, intercepting
+from hyper_parallel.core.dtensor.dispatch.interceptors import Interceptor, intercepting
 from hyper_parallel.core.dtensor.ops.attention import ARG_NAMES
+from hyper_parallel.core.dtensor.ops.attention_variants import call_variant, local_sinks
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy
 from hyper_parallel.platform import get_platform
 
 
 class RingInterceptor(Interceptor):
-    """Follows q, k, v to the attention op and runs ``kernel(q, k, v, causal, scale)`` there."""
+    """Follows q, k, v to the attention op and runs ``kernel(q, k, v, variant, sinks)`` there."""
     pass_through = frozenset({"transpose", "permute", "movedim", "t", "view", "identity", "cast", "expand",
                               "contiguous"})
-    consumers = frozenset({"sdpa", "npu_fusion_attention"})
+    consumers = frozenset({"sdpa", "attention", "npu_fusion_attention"})
 
     def __init__(self, kernel):
         super().__init__()
@@ -30,15 +31,17 @@ class RingInterceptor(Interceptor):
         self.used = False
 
     def strategy(self, call):
-        if call.name != "sdpa":
+        if call.name not in ("sdpa", "attention"):
             return None  # the NPU rule explains that sequence-split K/V needs the sdpa ring
         q, k, v = (call.arg(i, ARG_NAMES[i]) for i in range(3))
         if not all(self.follows(t) for t in (q, k, v)):
             return None
-        if call.arg(3, "attn_mask") is not None or (call.arg(4, "dropout_p", 0.0) or 0.0) > 0:
+        if call.name == "sdpa" and (call.arg(3, "attn_mask") is not None
+                                    or (call.arg(4, "dropout_p", 0.0) or 0.0) > 0):
             raise ValueError("ring attention supports is_causal=True/False without attn_mask or dropout; "
                              "use kv_exchange='allgather' for explicit masks")
-        causal, scale = bool(call.arg(5, "is_causal", False)), call.arg(6, "scale")
+        variant, sinks = call_variant(call)
+        sinks = local_sinks(sinks, call.spec(q))
         placements = [call.spec(t).placements for t in (q, k, v)]
         inputs = [None] * len(call.specs)
         for t, p in zip((q, k, v), placements):
@@ -47,7 +50,7 @@ class RingInterceptor(Interceptor):
 
         def local(call_, args, kwargs):
             values = [args[i] if i < len(args) else kwargs.get(ARG_NAMES[i]) for i in range(3)]
-            return self.kernel(*values, causal, scale)
+            return self.kernel(*values, variant, sinks)
         return OpStrategy(inputs=inputs, outputs=placements[0], local=local)
 
     def refusal(self, name):
@@ -55,6 +58,21 @@ class RingInterceptor(Interceptor):
                           f"module: q/k/v reach '{name}'. Write the attention with "
                           f"F.scaled_dot_product_attention (or the NPU fused kernel), or use "
                           f"kv_exchange='allgather'.")
+
+
+def _ring_kernel(layout, masks):
+    """kernel(q, k, v, variant, sinks): the plain ring, or the masked ring under ``attention_masks``."""
+    def kernel(q, k, v, variant, sinks):
+        if masks is None:
+            return ring_attention(q, k, v, layout, variant.causal, variant.scale, variant.softcap, variant.window,
+                                  sinks)
+        if variant.window is not None:
+            raise ValueError(f"ContextParallel(kv_exchange='ring') with attention_masks: window={variant.window} "
+                             f"is not implemented together with padding / document masks; use the window "
+                             f"without attention_masks")
+        return masked_ring_attention(q, k, v, layout, masks, variant.causal, variant.scale, variant.softcap,
+                                     sinks)
+    return kernel
 
 
 def run_ring(style, inputs, ulysses_dims, ring_dim, call):
@@ -70,9 +88,7 @@ def run_ring(style, inputs, ulysses_dims, ring_dim, call):
     dts = [DTensor.from_local(t, mesh, p, shape=s)
            for t, p, s in zip(locals_, inputs.placements, inputs.shapes)]
     masks = active_masks()   # packed documents / padding (masks.py): the masked ring kernel
-    ring = RingInterceptor(lambda q, k, v, causal, scale:
-                           ring_attention(q, k, v, layout, causal, scale) if masks is None
-                           else masked_ring_attention(q, k, v, layout, masks, causal, scale))
+    ring = RingInterceptor(_ring_kernel(layout, masks))
     # one all-to-all per tensor, not fused: a fused one stages q, k and v of the rank at once,
     # beyond the ring's memory bound (two K/V blocks and the re-laid own block)
     moved = to_mode(dts, seq, head, ulysses_dims, [], fuse=False)

@@ -22,6 +22,7 @@ from hyper_parallel.core.dtensor.ops.elementwise import to_input
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.platform import get_platform
+from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
 
 _LINEAR = ("sum", "avg")
 
@@ -37,7 +38,6 @@ def prepare_indices(rule_name, mesh, args, kwargs):
     """(args, kwargs) with every mask of an index / index_put call replaced by its nonzero positions."""
     if rule_name not in ("index", "index_put") or len(args) < 2 or not isinstance(args[1], (list, tuple)):
         return args, kwargs
-    from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
     indices = []
     for t in args[1]:
         if t is None or not _is_mask(t):

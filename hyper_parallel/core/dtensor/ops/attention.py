@@ -12,6 +12,7 @@ excluded key stays out of that row exactly as in single-device causal attention 
 -inf mask would turn NaN + -inf into NaN). An explicit global mask is sliced to the local rows by
 the same redistribution that splits q.
 """
+from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.dtensor.layout import numel
 from hyper_parallel.core.dtensor.ops.attention_roles import check_query
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
@@ -101,7 +102,7 @@ def _as_4d(attend, q, k, v):
 
 def _offset_causal(row_start):
     """Local attention of query rows [row_start, row_start + L) under the global causal mask."""
-    def local(call, args, kwargs):
+    def offset_causal_attention(call, args, kwargs):
         values = {name: (args[i] if i < len(args) else kwargs.get(name)) for i, name in enumerate(ARG_NAMES)}
         q, k, v = values["query"], values["key"], values["value"]
         seq = q.ndim - 2
@@ -122,7 +123,7 @@ def _offset_causal(row_start):
         row_ids = platform.arange(rows, device=q.device) + row_start
         mask = cols.unsqueeze(0) <= row_ids.unsqueeze(1)
         return platform.sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, scale=values["scale"], **extra)
-    return local
+    return offset_causal_attention
 
 
 # ============================================================================ block attention
@@ -185,12 +186,11 @@ def _offset_backward(ctx, grad_out):
     return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-_offset_fn = []  # built on first use: this module is imported before a platform may be chosen
 
 
 def _offset_attention(q, k, v, prefix, scale):
     """Causal attention of L query rows on keys [0, prefix + L'): row i sees keys j <= prefix + i."""
-    if not _offset_fn:
-        _offset_fn.append(get_platform().make_autograd_function(
-            "OffsetCausalAttention", _offset_forward, _offset_backward))
-    return _offset_fn[0](q, k, v, prefix, scale)
+    return _OFFSET_ATTENTION(q, k, v, prefix, scale)
+
+
+_OFFSET_ATTENTION = lazy_autograd_function("OffsetCausalAttention", _offset_forward, _offset_backward)

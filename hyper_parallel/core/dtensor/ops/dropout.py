@@ -25,7 +25,7 @@ def _is_identity(call):
 
 
 def _whole_mask_local(spec_placements):
-    def local(call, args, kwargs):
+    def dropout_with_whole_mask(call, args, kwargs):
         x = args[0] if args else kwargs["input"]
         shape = call.out_shapes[0]
         ones = get_platform().zeros(shape, dtype=x.dtype, device=getattr(x, "device", None)) + 1
@@ -34,7 +34,7 @@ def _whole_mask_local(spec_placements):
         mesh = call.mesh
         box = local_box(shape, spec_placements, mesh.mesh_shape, mesh.get_coordinate())
         return x * mask[tuple(slice(start, start + size) for start, size in box)]
-    return local
+    return dropout_with_whole_mask
 
 
 @register_rule("dropout")

@@ -67,7 +67,7 @@ def embedding_rule(call):
 
 def _vocab_parallel_local(row_start, rows, vocab):
     """Lookup of the ids in [row_start, row_start + rows); the others give zeros."""
-    def local(call, args, kwargs):
+    def vocab_parallel_lookup(call, args, kwargs):
         v = _values(args, kwargs)
         ids, weight, padding_idx = v["input"], v["weight"], v["padding_idx"]
         if padding_idx is not None:
@@ -84,7 +84,7 @@ def _vocab_parallel_local(row_start, rows, vocab):
         local_ids = (ids - row_start).masked_fill(outside, 0)
         out = call.func(local_ids, weight, padding_idx, None, v["norm_type"], False, False)
         return out.masked_fill(outside.unsqueeze(-1), 0)
-    return local
+    return vocab_parallel_lookup
 
 
 __all__ = ["embedding_rule"]

@@ -36,11 +36,11 @@ def new_factory_rule(call):
         return OpStrategy(inputs=[None], outputs=rep)
     outputs = tuple(p if p.is_shard() or uninitialised else Replicate() for p in spec.placements)
 
-    def local(call_, args, kwargs):
+    def new_factory_on_shard(call_, args, kwargs):
         _, rest = _size_and_rest(kind, args)
         kwargs = {k: v for k, v in kwargs.items() if k != "size"}
         return call_.func(args[0], tuple(args[0].shape), *rest, **kwargs)
-    return OpStrategy(inputs=[None], outputs=outputs, local=local)
+    return OpStrategy(inputs=[None], outputs=outputs, local=new_factory_on_shard)
 
 
 __all__ = ["new_factory_rule"]

@@ -51,7 +51,7 @@ def logsumexp_rule(call):
 def _merged_local(mesh, mesh_dims, reduced, keepdim):
     platform = get_platform()
 
-    def local(call, args, kwargs):
+    def merged_logsumexp(call, args, kwargs):
         x = args[0]
         shift = x.detach().amax(dim=reduced, keepdim=True)
         for m in mesh_dims:
@@ -65,7 +65,7 @@ def _merged_local(mesh, mesh_dims, reduced, keepdim):
         if keepdim:
             return out
         return platform.local_sum(out, dim=reduced, keepdim=False)  # drops the size-1 reduced dims
-    return local
+    return merged_logsumexp
 
 
 __all__ = ["logsumexp_rule", "split_reduction_layout"]

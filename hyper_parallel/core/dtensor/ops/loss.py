@@ -129,7 +129,7 @@ def _vocab_parallel_local(group, class_dim, start, size, num_classes, soft):
     smoothing sums), from which every rank finishes the same loss."""
     platform = get_platform()
 
-    def local(call, args, kwargs):
+    def vocab_parallel_cross_entropy(call, args, kwargs):
         v = _values(args, kwargs)
         x, target = v["input"], v["target"]
         eps = float(v["label_smoothing"] or 0.0)
@@ -143,7 +143,7 @@ def _vocab_parallel_local(group, class_dim, start, size, num_classes, soft):
             return _finish_soft(total, v["reduction"])
         return _finish_labels(total, target, v["ignore_index"], v["reduction"], eps, num_classes)
 
-    return local
+    return vocab_parallel_cross_entropy
 
 
 def _global_max(platform, x, group, class_dim, size):

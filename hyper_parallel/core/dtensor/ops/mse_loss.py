@@ -43,11 +43,11 @@ def mse_loss_rule(call):
 
 
 def _mean_local(count):
-    def local(call, args, kwargs):
+    def mse_mean_over_shards(call, args, kwargs):
         v = _values(args, kwargs)
         extra = {} if v["weight"] is None else {"weight": v["weight"]}
         return call.func(v["input"], v["target"], reduction="sum", **extra) / count
-    return local
+    return mse_mean_over_shards
 
 
 __all__ = ["mse_loss_rule"]

@@ -72,7 +72,7 @@ def nll_loss_rule(call):
 def _mean_local(mesh, mesh_dims):
     platform = get_platform()
 
-    def local(call, args, kwargs):
+    def nll_mean_over_shards(call, args, kwargs):
         v = _values(args, kwargs)
         x, t, w = v["input"], v["target"], v["weight"]
         w = None if w is None else w.detach()
@@ -83,7 +83,7 @@ def _mean_local(mesh, mesh_dims):
             for m in mesh_dims:
                 count = platform.all_reduce(count.contiguous(), mesh.get_group(m), "sum")
         return total / count
-    return local
+    return nll_mean_over_shards
 
 
 __all__ = ["nll_loss_rule"]

@@ -172,7 +172,7 @@ def _output_shapes(call, geo):
 def _local_call(geo, mode, q_box, seq_split, kv_box=None):
     """The kernel call on this rank's shards, for q's local box ``q_box`` [(start, size)] per dim
     (``kv_box``: k/v's, when q, k, v are all split along T: packed TND)."""
-    def local(call, args, kwargs):
+    def npu_attention_on_block(call, args, kwargs):
         a = NpuAttentionArgs(args, kwargs)
         head_start, head_count = q_box[geo.head]
         if geo.layout in ("BSH", "SBH"):
@@ -196,4 +196,4 @@ def _local_call(geo, mode, q_box, seq_split, kv_box=None):
         if geo.layout == "TND":
             return call_tnd_rows(call.func, a, mode, r0, rows)
         return call_dense_rows(call.func, a, geo, mode, r0, rows)
-    return local
+    return npu_attention_on_block

@@ -180,27 +180,27 @@ def max_min_rule(call):
 
 def _mean_local(reduced, keepdim, count):
     """Local sum over ``reduced`` divided by the global element count (a Partial(sum) piece)."""
-    def local(call, args, kwargs):
+    def mean_over_shards(call, args, kwargs):
         x = args[0] if args else kwargs["input"]
         dtype = kwargs.get("dtype")
         if dtype is not None:
             x = x.to(dtype)
         # the platform's sum: MindSpore's kernel leaves the sum of an empty (uneven) piece unset
         return get_platform().local_sum(x, dim=reduced, keepdim=keepdim) / count
-    return local
+    return mean_over_shards
 
 
 def _extreme_local(mesh, mesh_dims, op):
     """The local amax / amin, then a differentiable all-reduce over each reducing mesh dim."""
     platform = get_platform()
 
-    def local(call, args, kwargs):
+    def extreme_over_shards(call, args, kwargs):
         out = call.func(*args, **kwargs)
         for m in mesh_dims:
             out = platform.differentiable_all_reduce(out.contiguous(), mesh.get_group(m), op,
                                                      backward="identity")
         return out
-    return local
+    return extreme_over_shards
 
 
 __all__ = ["reduced_dims", "output_dim", "combined_reduction_layout", "reduction_rule", "max_min_rule"]

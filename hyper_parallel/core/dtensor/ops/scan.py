@@ -39,7 +39,7 @@ def cumsum_rule(call):
 def _scan_across(mesh, mesh_dim, dim):
     platform = get_platform()
 
-    def local(call, args, kwargs):
+    def scan_with_prefix(call, args, kwargs):
         piece = args[0] if args else kwargs["input"]
         out = call.func(*args, **kwargs)               # the scan of this rank's piece
         # platform.local_sum: MindSpore leaves the sum of an empty (uneven) piece uninitialised
@@ -47,7 +47,7 @@ def _scan_across(mesh, mesh_dim, dim):
         totals = platform.differentiable_all_gather(total.contiguous(), mesh.get_group(mesh_dim), dim)
         before = mesh.get_local_rank(mesh_dim)
         return out + platform.local_sum(totals.narrow(dim, 0, before), dim=dim, keepdim=True)
-    return local
+    return scan_with_prefix
 
 
 __all__ = ["cumsum_rule"]

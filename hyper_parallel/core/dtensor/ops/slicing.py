@@ -27,11 +27,11 @@ def _is_sharded(spec, dim):
 
 def _whole_local(dim, as_tuple):
     """Local op for a piece that is the whole (sharded) dim: the local shard itself."""
-    def local(call, args, kwargs):
+    def split_whole_dim(call, args, kwargs):
         x = args[0] if args else kwargs.get("input", kwargs.get("tensor"))
         view = x.narrow(dim, 0, x.shape[dim])
         return (view,) if as_tuple else view
-    return local
+    return split_whole_dim
 
 
 @register_rule("split", "chunk")
@@ -153,9 +153,9 @@ def getitem_rule(call):
         in_dim += 1
     local_index = tuple(local_items)
 
-    def local(call_, args, kwargs):
+    def index_local_piece(call_, args, kwargs):
         return call_.func(args[0], local_index)
-    return OpStrategy(inputs=[inputs], outputs=outputs, local=local)
+    return OpStrategy(inputs=[inputs], outputs=outputs, local=index_local_piece)
 
 
 __all__ = ["expand_index", "index_dims"]

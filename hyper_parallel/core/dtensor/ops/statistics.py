@@ -74,7 +74,7 @@ def _moments_local(name, mesh, mesh_dims, reduced, keepdim, count, correction):
                                                    backward="identity")
         return t
 
-    def local(call, args, kwargs):
+    def merged_moments(call, args, kwargs):
         x = args[0]
         mean = all_sum(platform.local_sum(x, dim=reduced, keepdim=True)) / count
         d = x - platform.detach(mean)
@@ -86,7 +86,7 @@ def _moments_local(name, mesh, mesh_dims, reduced, keepdim, count, correction):
         if not name.endswith("_mean"):
             return var
         return var, mean.reshape(var.shape)
-    return local
+    return merged_moments
 
 
 __all__ = ["parse_variance_args", "variance_rule"]

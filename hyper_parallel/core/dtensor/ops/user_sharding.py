@@ -16,11 +16,17 @@ What ``op`` may be:
   that level: register it by name.)
 - a list of these.
 """
-from hyper_parallel.core.dtensor import decision_cache
+from hyper_parallel.core.dtensor.dispatch import decision_cache
 from hyper_parallel.core.dtensor.ops import registry
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy
 from hyper_parallel.core.dtensor.ops.strategy_search import pick
 from hyper_parallel.core.dtensor.layout import numel
+from hyper_parallel.core.dtensor.dispatch.dispatcher import common_mesh, meta_outputs
+from hyper_parallel.core.dtensor.dispatch.tree import tree_flatten, tree_unflatten
+from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
+from hyper_parallel.core.dtensor.placement_types import Replicate
+from hyper_parallel.core.dtensor.spec import DTensorSpec
+from hyper_parallel.platform import get_platform
 
 _BY_NAME = {}    # neutral op name -> user function (consulted before the built-in rules)
 _BY_OP = {}      # op object (aten level) -> user function
@@ -65,8 +71,6 @@ def user_op_function(op):
 def strategy(fn, name, args, kwargs, dtensors, mesh, out_shapes):
     """The OpStrategy the user function ``fn`` gives this call: inputs per DTensor of ``dtensors``
     (a DTensor not among the positional arguments is replicated), outputs per output."""
-    from hyper_parallel.core.dtensor.dtensor import DTensor
-    from hyper_parallel.core.dtensor.placement_types import Replicate
     to_spec = (lambda a: a._spec if isinstance(a, DTensor) else a)
     options = list(fn(*[to_spec(a) for a in args], **{k: to_spec(v) for k, v in kwargs.items()}))
     positions = [i for i, a in enumerate(args) if isinstance(a, DTensor)]
@@ -93,7 +97,6 @@ def strategy(fn, name, args, kwargs, dtensors, mesh, out_shapes):
 
 
 def _norm(p, ndim):
-    from hyper_parallel.core.dtensor.placement_types import Replicate
     if p is None:
         return Replicate()
     return p.normalized(ndim) if p.is_shard() else p
@@ -114,11 +117,6 @@ def run_user_op(fn, func, args, kwargs):
     """An op below autograd with a registered strategy: inputs moved to the chosen layout, the op
     run on the shards, its tensor outputs wrapped in the chosen placements (global shapes from a
     meta run)."""
-    from hyper_parallel.core.dtensor.dispatch import common_mesh, meta_outputs
-    from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
-    from hyper_parallel.core.dtensor.spec import DTensorSpec
-    from hyper_parallel.core.dtensor.tree import tree_flatten, tree_unflatten
-    from hyper_parallel.platform import get_platform
     name = get_platform().op_display_name(func)
     leaves, structure = tree_flatten((args, kwargs))
     mesh = common_mesh(leaves, name)

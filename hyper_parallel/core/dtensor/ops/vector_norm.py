@@ -78,7 +78,7 @@ def _out_dim(d, reduced, keepdim):
 def _combined_local(mesh, mesh_dims, reduced, keepdim, order):
     platform = get_platform()
 
-    def local(call, args, kwargs):
+    def combined_norm(call, args, kwargs):
         x = args[0]
         dtype = kwargs.get("dtype")
         if dtype is not None:
@@ -93,7 +93,7 @@ def _combined_local(mesh, mesh_dims, reduced, keepdim, order):
             return s
         zero = s == 0
         return (s.masked_fill(zero, 1) ** (1.0 / order)).masked_fill(zero, 0)
-    return local
+    return combined_norm
 
 
 __all__ = ["norm_rule", "vector_norm_rule"]

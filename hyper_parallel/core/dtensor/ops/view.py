@@ -86,9 +86,9 @@ def view_rule(call):
     inputs, outputs = reshape_placements(src, out_shape, call.mesh)
     local_out = _local_shape(call.mesh, outputs, out_shape)
 
-    def local(call_, args, kwargs):
+    def view_local_piece(call_, args, kwargs):
         return args[0].reshape(local_out)
-    return OpStrategy(inputs=[inputs] + [None] * (len(call.specs) - 1), outputs=outputs, local=local)
+    return OpStrategy(inputs=[inputs] + [None] * (len(call.specs) - 1), outputs=outputs, local=view_local_piece)
 
 
 @register_rule("expand")
@@ -106,10 +106,10 @@ def expand_rule(call):
             outputs.append(Replicate() if p.is_shard() else p)
     local_out = _local_shape(call.mesh, tuple(outputs), out_shape)
 
-    def local(call_, args, kwargs):
+    def expand_local_piece(call_, args, kwargs):
         return args[0].expand(local_out)
     return OpStrategy(inputs=[tuple(inputs)] + [None] * (len(call.specs) - 1), outputs=tuple(outputs),
-                      local=local)
+                      local=expand_local_piece)
 
 
 # ------------------------------------------------------------------------------ permutations

@@ -49,6 +49,9 @@ def _from_local_forward(ctx, local, spec, passthrough):
     return obj
 
 
+# built at import, not lazily as core's other autograd functions (autograd_functions.py): the fast
+# path calls them directly, without a wrapper frame, and which ones exist depends on the platform's
+# lean hooks (``_detach``), fixed for the process
 _to_locals_fn = get_platform().make_autograd_function("ToLocals", _to_locals_forward, _to_locals_backward)
 # named as the slow path's node: ``out.grad_fn`` reads the same either way
 _from_local_fn = get_platform().make_autograd_function("FromLocal", _from_local_forward, _from_local_backward)

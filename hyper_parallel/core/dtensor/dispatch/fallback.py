@@ -2,6 +2,10 @@
 import contextlib
 import os
 import warnings
+from hyper_parallel.core.dtensor.dispatch.tree import tree_flatten, tree_unflatten
+from hyper_parallel.core.dtensor.dtensor import DTensor, attach
+from hyper_parallel.core.dtensor.placement_types import Replicate
+from hyper_parallel.platform import get_platform
 
 _warned = set()
 _recorders = []
@@ -42,10 +46,6 @@ def run_replicated(name, op, args, kwargs):
     """No rule (a framework whose ops reach a DTensor at the function level only: MindSpore): every
     DTensor input is gathered (differentiably), the op runs on the full values, and tensor outputs
     become Replicate DTensors."""
-    from hyper_parallel.core.dtensor.dtensor import DTensor
-    from hyper_parallel.core.dtensor.placement_types import Replicate
-    from hyper_parallel.core.dtensor.tree import tree_flatten, tree_unflatten
-    from hyper_parallel.platform import get_platform
     leaves, structure = tree_flatten((args, kwargs))
     dtensors = [x for x in leaves if isinstance(x, DTensor)]
     mesh = dtensors[0].device_mesh
@@ -60,3 +60,6 @@ def run_replicated(name, op, args, kwargs):
     is_tensor = get_platform().is_tensor
     wrapped = [DTensor.from_local(o, mesh, replicate) if is_tensor(o) else o for o in out_leaves]
     return tree_unflatten(wrapped, out_structure)
+
+
+attach("_hp_replicated", run_replicated)   # MindSpore's function-level fallback

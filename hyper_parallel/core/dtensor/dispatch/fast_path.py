@@ -26,21 +26,21 @@ rule-supplied local function, one tensor output. Without autograd the call is th
 one wrap. With autograd it builds the slow path's nodes with the same gradient specs and
 pass-through dims (``_run_differentiable``), so gradients are the slow path's exactly.
 """
-from hyper_parallel.core.dtensor import decision_cache
-from hyper_parallel.core.dtensor.dispatch import (_passthrough, dispatch_function, ensure_leaf_grad_layout,
+from hyper_parallel.core.bounded_cache import BoundedCache
+from hyper_parallel.core.dtensor.dispatch import decision_cache
+from hyper_parallel.core.dtensor.dispatch.dispatcher import (_passthrough, dispatch_function, ensure_leaf_grad_layout,
                                                   input_grad_placements)
-from hyper_parallel.core.dtensor.dtensor import DTensor, GradPassThrough
-from hyper_parallel.core.dtensor.fast_autograd import from_local, to_locals
-from hyper_parallel.core.dtensor.interceptors import _stack, involved
+from hyper_parallel.core.dtensor.dtensor import DTensor, GradPassThrough, attach
+from hyper_parallel.core.dtensor.dispatch.fast_autograd import from_local, to_locals
+from hyper_parallel.core.dtensor.dispatch.interceptors import _stack, involved
 from hyper_parallel.platform import get_platform
 
 _make = DTensor._make
 # the platform's lean wrapper constructor and grad-mode query, if it has them (else the same, slower)
 _new = getattr(DTensor, "_hp_fast_new", None)
 _grad_enabled = getattr(DTensor, "_hp_grad_enabled", None)
-_ENTRIES = {}
-_SPECS = {}
-_LIMIT = 65536
+_ENTRIES = BoundedCache(65536)
+_SPECS = BoundedCache(65536)
 # argument types that are plain values without a look (the rest are checked by _plain_value)
 _SCALARS = frozenset({int, float, bool, complex, str, type(None)})
 STATS = decision_cache.STATS   # "fast_hits" counts calls served here
@@ -247,8 +247,6 @@ def _record(key, args, targets, out_placements, result):
     grad_specs = tuple(args[i]._spec.with_placements(input_grad_placements(targets[i], replicated_out))
                        for i in positions)
     passthrough = _passthrough(out_placements, [targets[i] for i in positions], replicated_out)
-    if len(_ENTRIES) >= _LIMIT:
-        _ENTRIES.clear()
     _ENTRIES[key] = _Entry(tuple(args[i]._spec for i in positions), positions, out_spec, grad_specs,
                            passthrough.dims if passthrough is not None else None)
 
@@ -258,8 +256,6 @@ def intern(spec):
     k = (id(spec.mesh), spec.placements, spec.shape)
     found = _SPECS.get(k)
     if found is None:
-        if len(_SPECS) >= _LIMIT:
-            _SPECS.clear()
         _SPECS[k] = found = spec
     return found
 
@@ -284,3 +280,6 @@ decision_cache.ON_CLEAR.append(clear)
 
 
 __all__ = ["STATS", "clear", "dispatch", "intern"]
+
+
+attach("_hp_function", dispatch)   # every op on a DTensor enters here (dtensor.py)

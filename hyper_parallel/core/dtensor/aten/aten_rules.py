@@ -19,7 +19,7 @@ self's shard directly. Autograd is above this level: these moves are plain, not 
 """
 import functools
 
-from hyper_parallel.core.dtensor.dispatch import ensure_leaf_grad_layout
+from hyper_parallel.core.dtensor.dispatch.dispatcher import ensure_leaf_grad_layout
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
 from hyper_parallel.core.dtensor.ops import get_rule
 from hyper_parallel.core.dtensor.ops.advanced_index import prepare_indices
@@ -27,7 +27,7 @@ from hyper_parallel.core.dtensor.ops.elementwise import to_input
 from hyper_parallel.core.dtensor.ops.registry import OpCall
 from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.core.dtensor.spec import DTensorSpec
-from hyper_parallel.core.dtensor.tree import tree_flatten, tree_unflatten
+from hyper_parallel.core.dtensor.dispatch.tree import tree_flatten, tree_unflatten
 from hyper_parallel.platform import get_platform
 
 _SELF, _OUT, _FUNCTION = "self", "out", "function"

@@ -9,8 +9,9 @@ goes straight to redistribution, the local op and wrapping: no rule, no meta-ten
 Rules whose decision reads state outside the call (``loss_parallel()`` is on or off) register
 with ``cacheable=False``; calls an interceptor takes over are never cached.
 """
-_DECISIONS = {}
-_LIMIT = 65536
+from hyper_parallel.core.bounded_cache import BoundedCache
+
+_DECISIONS = BoundedCache(65536)
 STATS = {"rule_evaluations": 0, "hits": 0, "fast_hits": 0}
 
 
@@ -40,8 +41,6 @@ def lookup(key):
 
 
 def store(key, strategy, out_shapes):
-    if len(_DECISIONS) >= _LIMIT:
-        _DECISIONS.clear()
     _DECISIONS[key] = (strategy, out_shapes)
 
 

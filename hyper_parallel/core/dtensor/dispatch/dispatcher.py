@@ -14,15 +14,17 @@ any backward op.
 import functools
 import inspect
 
-from hyper_parallel.core.dtensor import decision_cache, writeback
-from hyper_parallel.core.dtensor.interceptors import screen
+from hyper_parallel.core.bounded_cache import BoundedCache
+from hyper_parallel.core.dtensor.dispatch import decision_cache
+from hyper_parallel.core.dtensor.aten import writeback
+from hyper_parallel.core.dtensor.dispatch.interceptors import screen
 from hyper_parallel.core.dtensor.dtensor import DTensor, GradPassThrough, _from_local, _to_local, as_layout
 from hyper_parallel.core.dtensor.layout import grad_placements
 from hyper_parallel.core.dtensor.ops import get_rule
 from hyper_parallel.core.dtensor.ops.registry import OpCall, is_cacheable
 from hyper_parallel.core.dtensor.placement_types import Partial, Replicate
 from hyper_parallel.core.dtensor.spec import DTensorSpec
-from hyper_parallel.core.dtensor.tree import tree_flatten, tree_unflatten
+from hyper_parallel.core.dtensor.dispatch.tree import tree_flatten, tree_unflatten
 from hyper_parallel.platform import get_platform
 
 
@@ -69,7 +71,7 @@ def ensure_leaf_grad_layout(dtensor):
     dtensor._hp_hooked = True
 
 
-_META_CACHE = {}
+_META_CACHE = BoundedCache(65536)
 
 
 def _meta_key(func, leaves, structure):
@@ -106,8 +108,6 @@ def meta_outputs(func, args, kwargs):
             result = func(*meta_args, **meta_kwargs)
         outs, _ = tree_flatten(result)
         shapes = [tuple(o.shape) for o in outs if get_platform().is_tensor(o)]
-        if len(_META_CACHE) > 65536:
-            _META_CACHE.clear()
         _META_CACHE[key] = shapes
     return shapes
 

@@ -17,6 +17,8 @@ so a write through it into a base that autograd tracks would give wrong gradient
 raises instead.
 """
 from hyper_parallel.platform import get_platform
+from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
+from hyper_parallel.core.dtensor.placement_types import Replicate
 
 _ATTR = "_hp_view_of"
 
@@ -58,7 +60,6 @@ def write_back(view):
         return
     platform = get_platform()
     base = link.base
-    from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
     with platform.no_grad():
         full_spec = base._spec.with_placements(_replicated(base._spec))
         full = as_layout(base, full_spec)._local_tensor.clone()
@@ -71,7 +72,6 @@ def write_back(view):
 
 
 def _replicated(spec):
-    from hyper_parallel.core.dtensor.placement_types import Replicate
     return (Replicate(),) * spec.mesh.ndim
 
 

@@ -4,20 +4,21 @@ These are autograd-engine internals (gradient accumulation, ``ones_like`` for ``
 optimizer updates, in-place methods and ops with no user-level rule. Autograd is above this level,
 so the redistributions here are plain (non-differentiable) moves.
 """
-from hyper_parallel.core.dtensor import writeback
-from hyper_parallel.core.dtensor.aten_rules import copy_source, run_by_rule
-from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
-from hyper_parallel.core.dtensor.dispatch import common_mesh, ensure_leaf_grad_layout
-from hyper_parallel.core.dtensor.fallback import report_missing_rule
-from hyper_parallel.core.dtensor.inplace_shape import reshape_in_place
-from hyper_parallel.core.dtensor.interceptors import screen
+from hyper_parallel.core.dtensor.aten import writeback
+from hyper_parallel.core.dtensor.aten.aten_rules import copy_source, run_by_rule
+from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout, attach
+from hyper_parallel.core.dtensor.dispatch.dispatcher import common_mesh, ensure_leaf_grad_layout
+from hyper_parallel.core.dtensor.dispatch.fallback import report_missing_rule
+from hyper_parallel.core.dtensor.aten.inplace_shape import reshape_in_place
+from hyper_parallel.core.dtensor.dispatch.interceptors import screen
 from hyper_parallel.core.dtensor.layout import grad_placements
 from hyper_parallel.core.dtensor.ops.elementwise import elementwise_strategy, linearity_name
 from hyper_parallel.core.dtensor.ops.user_sharding import run_user_op, user_op_function
 from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.core.dtensor.spec import DTensorSpec
-from hyper_parallel.core.dtensor.tree import tree_flatten, tree_unflatten
+from hyper_parallel.core.dtensor.dispatch.tree import tree_flatten, tree_unflatten
 from hyper_parallel.platform import get_platform
+from hyper_parallel.core.dtensor.aten.foreach import run_foreach
 
 
 def _op_name(func):
@@ -162,7 +163,6 @@ def _pointwise(func, args, kwargs):
 def _foreach(func, args, kwargs):
     """_foreach_* ops (optimizers, clip_grad_norm_): each list position is dispatched as its
     single-tensor op (foreach.py)."""
-    from hyper_parallel.core.dtensor.foreach import run_foreach
     return run_foreach(func, args, kwargs, dispatch_aten, _fallback)
 
 
@@ -336,3 +336,6 @@ def _written_dtensors(func, args, kwargs):
         for t in target if isinstance(target, (list, tuple)) else [target]:
             if isinstance(t, DTensor):
                 yield t
+
+
+attach("_hp_aten", dispatch_aten)   # torch's aten-level ops on DTensors
