@@ -78,7 +78,8 @@ def _candidates(dims, pa, pb, out_shape):
     return cands
 
 
-def _plan(call, a_spec, b_spec, dims, out_shape):
+def _operand_placements(call, a_spec, b_spec, dims, out_shape):
+    """Per mesh dim, the (a, b, output) placements the product runs in: the cheapest candidate."""
     inputs_a, inputs_b, out = [], [], []
     for m in range(call.mesh_ndim):
         pa, pb = a_spec.placements[m], b_spec.placements[m]
@@ -102,7 +103,7 @@ def matmul_rule(call):
     nb = b_spec.ndim
     dims = _Dims(a_spec.shape, b_spec.shape, b_k=0 if nb == 1 else nb - 2, b_n=None if nb == 1 else nb - 1,
                  out_ndim=len(out_shape))
-    pa, pb, out = _plan(call, a_spec, b_spec, dims, out_shape)
+    pa, pb, out = _operand_placements(call, a_spec, b_spec, dims, out_shape)
     inputs = [None] * len(call.specs)
     inputs[call.index(a)], inputs[call.index(b)] = pa, pb
     return OpStrategy(inputs=inputs, outputs=out)
@@ -117,7 +118,7 @@ def linear_rule(call):
     out_shape = call.out_shapes[0]
     # B = W^T: contraction is W's dim 1, columns are W's dim 0.
     dims = _Dims(x_spec.shape, w_spec.shape, b_k=1, b_n=0, out_ndim=len(out_shape))
-    px, pw, out = _plan(call, x_spec, w_spec, dims, out_shape)
+    px, pw, out = _operand_placements(call, x_spec, w_spec, dims, out_shape)
     inputs = [None] * len(call.specs)
     inputs[call.index(x)], inputs[call.index(w)] = px, pw
     if call.index(bias) is not None:
