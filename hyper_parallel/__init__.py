@@ -46,6 +46,7 @@ _EXPORTS = {
     "fully_shard": "hyper_parallel.core.fully_shard",
     "MixedPrecisionPolicy": "hyper_parallel.core.fully_shard",
     "shard_sequence": "hyper_parallel.core.shard_sequence",
+    "chunked_cross_entropy": "hyper_parallel.core.long_sequence",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,5 @@
+"""Long sequences beyond attention (SPEC §15): the loss, the MLP and the saved activations in tiles
+or off the device, so that what context parallelism leaves per rank fits (docs/long_sequences.md)."""
+from hyper_parallel.core.long_sequence.chunked_loss import chunked_cross_entropy
+
+__all__ = ["chunked_cross_entropy"]
