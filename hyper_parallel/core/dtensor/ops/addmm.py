@@ -10,7 +10,7 @@ before the op runs: torch's kernels do not broadcast a size-1 input against an E
 (an uneven shard's empty piece) and would return a piece of the wrong shape.
 """
 from hyper_parallel.core.dtensor.ops.elementwise import to_input
-from hyper_parallel.core.dtensor.ops.matmul import _Dims, _plan
+from hyper_parallel.core.dtensor.ops.matmul import _Dims, _operand_placements
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Partial, Replicate
 
@@ -36,7 +36,7 @@ def addmm_rule(call):
     nb = b_spec.ndim
     dims = _Dims(a_spec.shape, b_spec.shape, b_k=0 if nb == 1 else nb - 2, b_n=None if nb == 1 else nb - 1,
                  out_ndim=len(out_shape))
-    pa, pb, out = _plan(call, a_spec, b_spec, dims, out_shape)
+    pa, pb, out = _operand_placements(call, a_spec, b_spec, dims, out_shape)
     if bias_spec is None and any(p.is_partial() for p in out):
         pa = tuple(Replicate() if o.is_partial() else p for p, o in zip(pa, out))
         pb = tuple(Replicate() if o.is_partial() else p for p, o in zip(pb, out))
