@@ -9,6 +9,7 @@ from an attention function registered with transformers' ``AttentionInterface``
 (hf_context_parallel.py). Gradients still need ``data_parallel`` over the data and context
 parallel ranks (``mesh["dp", "cp"].flatten()``): see docs/training.md.
 """
+from hyper_parallel.integrations.hf_chunked_loss import apply_chunked_loss, check_loss_option
 from hyper_parallel.integrations.hf_context_parallel import apply_context_parallel, prepare_context_parallel
 from hyper_parallel.integrations.hf_tensor_parallel import apply_tensor_parallel, translate_plan
 
@@ -29,7 +30,7 @@ def _sub_mesh(mesh, name, role):
     return sub
 
 
-def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shard", average=True,
+def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shard", average=True, loss=None,
                       **context_parallel_kwargs):
     """Tensor parallelism on mesh dim ``tp`` (the model's ``base_model_tp_plan``) and context-parallel
     attention on mesh dim ``cp`` (``context_parallel_kwargs`` go to ``ContextParallel``, e.g.
@@ -38,9 +39,11 @@ def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shar
     input (``shard_sequence``). A ``dp_shard`` dim applies ``fully_shard`` to each decoder layer and the
     root (hf_fully_shard.py; then no data_parallel is needed), averaging the gradients over those
     ranks, or summing them with ``average=False`` (a loss normalised by the global token count).
-    Returns the model."""
+    ``loss="chunked"``: given labels, the forward returns the loss without computing logits
+    (hf_chunked_loss.py; under CP pass ``shift_labels=`` and ``num_items_in_batch=``). Returns the model."""
     if getattr(model, "_hp_parallelized", False):
         raise ValueError("parallelize_model was already applied to this model")
+    check_loss_option(loss)
     if not isinstance(average, bool):
         raise ValueError(f"parallelize_model(average={average!r}): pass True or False")
     tp_mesh = _sub_mesh(device_mesh, tp, "tensor-parallel")
@@ -66,5 +69,7 @@ def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shar
     if fsdp:
         from hyper_parallel.integrations.hf_fully_shard import apply_fully_shard
         apply_fully_shard(model, device_mesh, dp_shard, cp if cp_mesh is not None else None, average)
+    if loss == "chunked":
+        apply_chunked_loss(model, context_parallel=cp_mesh is not None)
     model._hp_parallelized = True
     return model
