@@ -9,6 +9,7 @@ same sharding rules as ``F.scaled_dot_product_attention``.
 import contextvars
 import weakref
 
+from hyper_parallel.core.context_parallel.auto.chooser import AutoMode
 from hyper_parallel.core.context_parallel.supported_kernels import call_module
 from hyper_parallel.core.context_parallel.mode import run_attention
 from hyper_parallel.core.context_parallel.overlap.split_call import start_call
@@ -37,7 +38,8 @@ def start_attention(module, *args, **kwargs):
 class ContextParallel(ParallelStyle):
     def __init__(self, seq_dim=1, head_dim=2, ulysses_degree=None, qkv_indices=(0, 1, 2), qkv_kwarg_names=(),
                  use_local_output=False, load_balance=False, kv_exchange="allgather", overlap=False,
-                 chunks=2):
+                 chunks=2, mode=None, memory_budget=None, calibration=None, causal=None):
+        _check_auto(mode, ulysses_degree, load_balance, kv_exchange, memory_budget, calibration, causal)
         if seq_dim == head_dim:
             raise ValueError(f"seq_dim and head_dim must differ (got {seq_dim}); use 1/2 for BSHD, 2/1 for BNSD")
         if ulysses_degree is not None and (not isinstance(ulysses_degree, int) or ulysses_degree < 1):
@@ -59,6 +61,17 @@ class ContextParallel(ParallelStyle):
         self.load_balance = load_balance
         self.kv_exchange = kv_exchange
         self.overlap, self.chunks = bool(overlap), chunks
+        # mode="auto": the mode is chosen per shape signature (auto/); causal is the cost model's hint
+        self.mode, self.memory_budget, self.calibration = mode, memory_budget, calibration
+        self.causal = True if causal is None else bool(causal)
+        self.last_choice = None
+        self._auto = AutoMode(self) if mode == "auto" else None
+
+    def fixed(self, **mode_kwargs):
+        """This style with a fixed mode (``ulysses_degree`` / ``kv_exchange`` / ``load_balance``)."""
+        return ContextParallel(self.seq_dim, self.head_dim, qkv_indices=self.qkv_indices,
+                               qkv_kwarg_names=self.qkv_kwarg_names, use_local_output=self.use_local_output,
+                               overlap=self.overlap, chunks=self.chunks, **mode_kwargs)
 
     # ------------------------------------------------------------------ apply
     def apply(self, module, device_mesh):
@@ -69,6 +82,9 @@ class ContextParallel(ParallelStyle):
     def _cp_mesh(self, mesh):
         """The CP mesh: 1-D for pure Ulysses / all-gather, a 2-D mesh named ("co", "ds") in either
         order for the hybrid (used by name: rank (co=c, ds=d) holds sequence block c·ds + d)."""
+        if self.mode == "auto" and mesh.ndim != 1:
+            raise ValueError(f"ContextParallel(mode='auto') chooses the hybrid's layout itself and needs a 1-D "
+                             f"CP mesh, got {mesh.ndim}-D {mesh.mesh_dim_names}; pass mesh['cp'] (or flatten)")
         if mesh.ndim == 2:
             names = mesh.mesh_dim_names
             if names is None or sorted(names) != ["co", "ds"]:
@@ -108,14 +124,20 @@ class ContextParallel(ParallelStyle):
         def forward(*args, **kwargs):
             if key in _active.get():  # a recursive call: inputs are already distributed
                 return original(*args, **kwargs)
-            return guarded(lambda: run_attention(self, mesh, *self._bind(original, args, kwargs)))
+            qkv, call = self._bind(original, args, kwargs)
+            return guarded(lambda: run_attention(*self._resolve(mesh, qkv), qkv, call))
 
         def start(*args, **kwargs):
             qkv, call = self._bind(original, args, kwargs)
+            style, cp_mesh = self._resolve(mesh, qkv)
             # finish() runs the module later: inside the guard again, as forward does
-            return guarded(lambda: start_call(self, mesh, qkv, lambda *t: guarded(lambda: call(*t))))
+            return guarded(lambda: start_call(style, cp_mesh, qkv, lambda *t: guarded(lambda: call(*t))))
         _starters[module] = start
         return forward
+
+    def _resolve(self, mesh, qkv):
+        """(the style that runs this call, its CP mesh): this one, or mode="auto"'s choice."""
+        return (self, mesh) if self._auto is None else self._auto.resolve(mesh, qkv)
 
     def _locate_qkv(self, args, kwargs):
         slots = []
@@ -145,6 +167,25 @@ class ContextParallel(ParallelStyle):
                     new_kwargs[slot[1]] = value
             return call_module(original, new_args, new_kwargs)   # flex_attention -> clear error
         return [get(s) for s in slots], call
+
+
+def _check_auto(mode, ulysses_degree, load_balance, kv_exchange, memory_budget, calibration, causal):
+    if mode not in (None, "auto"):
+        raise ValueError(f"mode={mode!r} is not supported: pass mode='auto' (chosen per shape), or leave it "
+                         f"unset and choose with ulysses_degree / kv_exchange / load_balance")
+    if mode == "auto":
+        fixed = {k: v for k, v in (("ulysses_degree", ulysses_degree), ("load_balance", load_balance or None),
+                                   ("kv_exchange", None if kv_exchange == "allgather" else kv_exchange)) if v}
+        if fixed:
+            raise ValueError(f"mode='auto' chooses ulysses_degree, kv_exchange and load_balance itself; "
+                             f"drop {sorted(fixed)} or drop mode='auto'")
+        if memory_budget is not None and (not isinstance(memory_budget, (int, float)) or memory_budget <= 0):
+            raise ValueError(f"memory_budget={memory_budget!r} must be a positive number of bytes")
+        return
+    given = [n for n, v in (("memory_budget", memory_budget), ("calibration", calibration), ("causal", causal))
+             if v is not None]
+    if given:
+        raise ValueError(f"{given} only apply to mode='auto'; pass mode='auto' or drop them")
 
 
 class AsyncContextParallel(ContextParallel):

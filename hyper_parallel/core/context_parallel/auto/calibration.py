@@ -1,0 +1,110 @@
+"""The machine numbers the cost model needs, measured once per mesh (and cached) or read from a file.
+
+A short calibration runs on the CP mesh the first time ``mode="auto"`` meets it: all-reduces of a
+few bytes (latency) and of a few MB (bandwidth) within the groups the hybrid's Ulysses part would
+use ("ds": adjacent ranks) and its gather part ("co": strided ranks), and a small attention for the
+compute rate. Every rank then takes the slowest rank's value (one all-reduce), so every rank ranks
+the candidates alike and makes the same choice. ``python -m benchmarks.cp_attention --calibrate
+PATH`` writes the same numbers to a JSON file that ``ContextParallel(mode="auto", calibration=PATH)``
+(or ``HP_CP_CALIBRATION=PATH``) reads instead of measuring.
+"""
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+from hyper_parallel.core.bounded_cache import BoundedCache
+from hyper_parallel.platform import get_platform
+
+_MEASURED = BoundedCache(64)
+ENV = "HP_CP_CALIBRATION"
+
+
+@dataclass(frozen=True)
+class Machine:
+    flops: float                 # multiply-adds ×2 per second of the attention kernel
+    ds_bandwidth: float          # bytes per second, adjacent ranks
+    ds_latency: float            # seconds per collective, adjacent ranks
+    co_bandwidth: float          # strided ranks
+    co_latency: float
+
+    def bandwidth(self, dim):
+        return self.ds_bandwidth if dim == "ds" else self.co_bandwidth
+
+    def latency(self, dim):
+        return self.ds_latency if dim == "ds" else self.co_latency
+
+    def save(self, path):
+        with open(path, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+
+    @classmethod
+    def load(cls, path):
+        with open(path) as f:
+            values = json.load(f)
+        missing = [k for k in cls.__dataclass_fields__ if k not in values]
+        if missing:
+            raise ValueError(f"calibration file {path} lacks {missing}; write it with python -m "
+                             f"benchmarks.cp_attention --calibrate {path}")
+        return cls(**{k: float(values[k]) for k in cls.__dataclass_fields__})
+
+
+def machine_for(mesh, path=None):
+    """The calibration of ``mesh``: from ``path`` / $HP_CP_CALIBRATION, else measured once."""
+    path = path or os.environ.get(ENV)
+    if path:
+        return Machine.load(path)
+    key = mesh.to_hash()
+    if key not in _MEASURED:
+        _MEASURED[key] = measure(mesh)
+    return _MEASURED[key]
+
+
+def _seconds(run, repeats=3):
+    run()   # warm-up: first-call costs are not the machine's
+    start = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    return (time.perf_counter() - start) / repeats
+
+
+def _group_timing(platform, group, nbytes):
+    small = platform.zeros((1,), dtype=platform.float32())
+    large = platform.zeros((max(nbytes // 4, 1),), dtype=platform.float32())
+    latency = _seconds(lambda: platform.all_reduce(small, group))
+    full = _seconds(lambda: platform.all_reduce(large, group))
+    return latency, max(full - latency, 1e-9)
+
+
+def _groups(mesh):
+    """(adjacent-ranks group, strided-ranks group) of the 1-D CP mesh (each this rank's pair)."""
+    cp = mesh.size()
+    if cp < 2:
+        return None, None
+    sub = mesh._unflatten(0, (cp // 2, 2), ("co", "ds")) if cp % 2 == 0 else None
+    if sub is None:
+        return mesh.get_group(0), mesh.get_group(0)
+    return sub.get_group("ds"), sub.get_group("co")
+
+
+def measure(mesh, nbytes=1 << 22):
+    """Measure on every rank, then take the slowest rank's numbers everywhere (one all-reduce)."""
+    platform = get_platform()
+    ds, co = _groups(mesh)
+    values = [1.0, 0.0, 0.0, 0.0, 0.0]   # seconds per GFLOP, then per-byte and latency per group
+    values[0] = _kernel_seconds_per_flop(platform)
+    for i, group in enumerate((ds, co)):
+        if group is not None:
+            latency, full = _group_timing(platform, group, nbytes)
+            # an all-reduce moves about 2·(n−1)/n of the buffer per rank: 1 for a pair
+            values[1 + 2 * i], values[2 + 2 * i] = full / nbytes, latency
+    slowest = platform.all_reduce(platform.tensor(values, dtype=platform.float32()), mesh.get_group(0), "max")
+    v = [float(x) for x in slowest.tolist()]
+    return Machine(flops=1.0 / v[0], ds_bandwidth=1.0 / max(v[1], 1e-15), ds_latency=v[2],
+                   co_bandwidth=1.0 / max(v[3], 1e-15), co_latency=v[4])
+
+
+def _kernel_seconds_per_flop(platform, size=256, dim=64):
+    q = platform.zeros((1, 4, size, dim), dtype=platform.float32())
+    seconds = _seconds(lambda: platform.sdpa(q, q, q, is_causal=False))
+    return seconds / (4 * 4 * size * size * dim)

@@ -1,0 +1,106 @@
+"""``mode="auto"``: per shape signature, rank the candidates by predicted time and run the best.
+
+The choice is made once per signature (q/k/v local shapes and dtype, masks on or off, the mesh)
+and cached. Before the first choice of a signature the ranks compare their shapes (the same
+one-message check every mode runs first), so a rank that disagrees raises on every rank instead of
+choosing another mode and waiting in another collective. ``style.last_choice`` says what was chosen
+and every candidate's predicted time; the first choice of each signature is also logged.
+"""
+import logging
+import re
+from dataclasses import dataclass, field
+
+from hyper_parallel.core.bounded_cache import BoundedCache
+from hyper_parallel.core.context_parallel.auto.calibration import machine_for
+from hyper_parallel.core.context_parallel.auto.cost_model import CallShape, candidates, predict
+from hyper_parallel.core.context_parallel.checks import check_across_ranks, normalise_dims
+from hyper_parallel.core.context_parallel.masks import active_masks
+from hyper_parallel.core.dtensor.dtensor import DTensor
+
+LOG = logging.getLogger("hyper_parallel.context_parallel")
+
+
+@dataclass
+class Choice:
+    """What ``mode="auto"`` chose for one signature, and why."""
+    mode: str
+    kwargs: dict
+    predicted_seconds: dict = field(default_factory=dict)   # every candidate that can run
+    held_bytes: dict = field(default_factory=dict)
+    over_budget: list = field(default_factory=list)         # candidates refused by memory_budget
+
+    def __str__(self):
+        times = ", ".join(f"{n} {s * 1e3:.3g} ms" for n, s in sorted(self.predicted_seconds.items(),
+                                                                    key=lambda kv: kv[1]))
+        over = f"; over memory_budget: {', '.join(self.over_budget)}" if self.over_budget else ""
+        return f"chose {self.mode} ({self.kwargs}); predicted fwd+bwd: {times}{over}"
+
+
+def _itemsize(dtype):
+    digits = re.findall(r"\d+", str(dtype))
+    return int(digits[-1]) // 8 if digits else 4
+
+
+def call_shape(style, qkv, cp, causal):
+    raw = [t.to_local() if isinstance(t, DTensor) else t for t in qkv]
+    seq, head = normalise_dims(style, [t.ndim for t in raw])
+    q, k, v = raw
+    batch = 1
+    for d, size in enumerate(q.shape):
+        if d not in (seq, head, q.ndim - 1):
+            batch *= int(size)
+    return CallShape(batch=batch, q_len=int(q.shape[seq]) * cp,
+                     kv_len=int(k.shape[seq]) * cp, q_heads=int(q.shape[head]), kv_heads=int(k.shape[head]),
+                     head_dim=int(q.shape[-1]), v_head_dim=int(v.shape[-1]), itemsize=_itemsize(q.dtype),
+                     causal=causal)
+
+
+class AutoMode:
+    """One ContextParallel(mode="auto") style's choices and the sub-styles that run them."""
+
+    def __init__(self, style):
+        self.style = style
+        self._chosen = BoundedCache(256)    # signature -> (Choice, sub-style, its mesh)
+        self._styles = {}                   # candidate -> (sub-style, its mesh)
+
+    def resolve(self, mesh, qkv):
+        """(sub-style, its mesh) for this call, choosing on a new signature."""
+        raw = [t.to_local() if isinstance(t, DTensor) else t for t in qkv]
+        key = (mesh.to_hash(), active_masks() is not None,
+               tuple((tuple(t.shape), str(t.dtype)) for t in raw))
+        found = self._chosen.get(key)
+        if found is None:
+            check_across_ranks(mesh, raw)   # the ranks agree on what they choose from
+            found = self._chosen[key] = self._choose(mesh, qkv)
+            LOG.info("ContextParallel(mode='auto') on %d ranks: %s", mesh.size(), found[0])
+        self.style.last_choice = found[0]
+        return found[1], found[2]
+
+    def _choose(self, mesh, qkv):
+        style = self.style
+        shape = call_shape(style, qkv, mesh.size(), style.causal)
+        machine = machine_for(mesh, style.calibration)
+        predicted, held, over = {}, {}, []
+        options = {}
+        for candidate in candidates(shape, mesh.size()):
+            seconds, nbytes = predict(shape, mesh.size(), candidate, machine)
+            held[candidate.name] = nbytes
+            if style.memory_budget is not None and nbytes > style.memory_budget:
+                over.append(candidate.name)
+                continue
+            predicted[candidate.name], options[candidate.name] = seconds, candidate
+        if not options:
+            smallest = min(held.items(), key=lambda kv: kv[1]) if held else ("none", 0)
+            raise ValueError(f"ContextParallel(mode='auto'): no mode fits memory_budget={style.memory_budget} "
+                             f"bytes for {shape} on {mesh.size()} ranks (the smallest, {smallest[0]}, holds "
+                             f"{smallest[1]:.0f} bytes of k/v); raise the budget or use more ranks")
+        best = min(options, key=lambda name: (predicted[name], name))
+        choice = Choice(best, options[best].kwargs(), predicted, held, over)
+        sub_style, sub_mesh = self._sub_style(options[best], mesh)
+        return choice, sub_style, sub_mesh
+
+    def _sub_style(self, candidate, mesh):
+        if candidate not in self._styles:
+            sub = self.style.fixed(**candidate.kwargs())
+            self._styles[candidate] = (sub, sub._cp_mesh(mesh))
+        return self._styles[candidate]

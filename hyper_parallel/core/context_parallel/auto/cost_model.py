@@ -1,0 +1,120 @@
+"""The predicted time of each context-parallel mode for one attention call (forward + backward).
+
+time = compute + communication, per rank, on the slowest rank:
+- compute: the attention's multiply-adds (4·B·H·S²·D forward for q·kᵀ and p·v, twice that
+  backward; half of it causal) divided over the P ranks, times the mode's causal imbalance — the
+  rank holding the last query block does (2P−1)/P of the average in all-gather KV without load
+  balancing, and the plain ring's lock-step steps cost the same; Ulysses, load balancing and zigzag
+  are balanced — at the calibrated rate;
+- communication: the closed forms of docs/context_parallel.md (bytes per rank, forward; backward
+  the same, the ring's twice) over the calibrated bandwidth of the mesh dim they use, plus one
+  latency per collective step (the ring: P−1 hops each way); the ring overlaps its hops with block
+  compute, so it pays max(compute, communication) rather than the sum;
+- memory: the k/v a rank holds (all-gather KV: the whole sequence of k and v; Ulysses: all tokens of
+  its heads; ring: two blocks), refused above ``memory_budget``.
+Candidates that cannot run are never offered: q heads the Ulysses degree does not divide, an odd
+local length with load balancing, q and k/v of different lengths in the ring.
+"""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CallShape:
+    batch: int
+    q_len: int          # global sequence lengths
+    kv_len: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    itemsize: int
+    causal: bool
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    ulysses_degree: int
+    kv_exchange: str
+    load_balance: bool
+
+    def kwargs(self):
+        return {"ulysses_degree": self.ulysses_degree, "kv_exchange": self.kv_exchange,
+                "load_balance": self.load_balance}
+
+
+def candidates(shape, cp):
+    """Every mode that can run this call on ``cp`` ranks."""
+    out = []
+    local = shape.q_len // cp
+    for ds in (d for d in range(cp, 0, -1) if cp % d == 0 and shape.q_heads % d == 0):
+        if ds == cp:
+            out.append(Candidate("ulysses", ds, "allgather", False))
+            continue
+        prefix = "allgather" if ds == 1 else f"hybrid(ds={ds})"
+        out.append(Candidate(prefix, ds, "allgather", False))
+        if ds == 1 and local % 2 == 0:
+            out.append(Candidate("allgather-lb", 1, "allgather", True))
+        if shape.q_len == shape.kv_len:
+            ring = "ring" if ds == 1 else f"hybrid-ring(ds={ds})"
+            out.append(Candidate(ring, ds, "ring", False))
+            if ds == 1 and local % 2 == 0:
+                out.append(Candidate("ring-zigzag", 1, "ring", True))
+    return out
+
+
+def _compute_seconds(shape, cp, candidate, machine):
+    pairs = shape.q_len * shape.kv_len * (0.5 if shape.causal else 1.0)
+    flops = 3 * 2 * shape.batch * shape.q_heads * pairs * (shape.head_dim + shape.v_head_dim)
+    imbalance = 1.0
+    if shape.causal and not candidate.load_balance and candidate.ulysses_degree < cp:
+        co = cp // candidate.ulysses_degree
+        imbalance = (2 * co - 1) / co
+    return flops / cp * imbalance / machine.flops
+
+
+def _elements(shape, cp, candidate):
+    """(elements over the Ulysses dim, over the gather / ring dim, collective steps each) one rank
+    sends in a forward (docs/context_parallel.md's closed forms)."""
+    B, D, Dv = shape.batch, shape.head_dim, shape.v_head_dim
+    u = candidate.ulysses_degree
+    r = cp // u
+    hkv = shape.kv_heads if shape.kv_heads % u == 0 else _lcm(shape.kv_heads, u)
+    s_local = shape.q_len / cp
+    ulysses = (u - 1) / u * B * s_local * (shape.q_heads * (D + Dv) + hkv * (D + Dv)) if u > 1 else 0.0
+    gather = (r - 1) / r * B * shape.kv_len * hkv * (D + Dv) / u if r > 1 else 0.0
+    if candidate.load_balance:
+        gather += 2 * B * (shape.q_len / (2 * cp)) * shape.q_heads * Dv
+    steps = (r - 1) if candidate.kv_exchange == "ring" else (1 if r > 1 else 0)
+    return ulysses, gather, (2 if u > 1 else 0), steps
+
+
+def _lcm(a, b):
+    import math
+    return a * b // math.gcd(a, b)
+
+
+def predict(shape, cp, candidate, machine):
+    """(seconds, bytes of k/v held per rank) for one forward + backward of the call."""
+    compute = _compute_seconds(shape, cp, candidate, machine)
+    ulysses, gather, u_steps, g_steps = _elements(shape, cp, candidate)
+    size = shape.itemsize
+    backward = 2.0 if candidate.kv_exchange == "ring" else 1.0
+    u_time = 2 * (ulysses * size / machine.bandwidth("ds") + u_steps * machine.latency("ds"))
+    g_time = (1 + backward) * (gather * size / machine.bandwidth("co") + g_steps * machine.latency("co"))
+    if candidate.kv_exchange == "ring":
+        seconds = u_time + max(compute, g_time)
+    else:
+        seconds = compute + u_time + g_time
+    return seconds, _held_bytes(shape, cp, candidate)
+
+
+def _held_bytes(shape, cp, candidate):
+    u = candidate.ulysses_degree
+    kv_heads = max(shape.kv_heads // u, 1) if shape.kv_heads % u == 0 else _lcm(shape.kv_heads, u) // u
+    per_token = shape.batch * kv_heads * (shape.head_dim + shape.v_head_dim) * shape.itemsize
+    if candidate.kv_exchange == "ring":
+        tokens = 2 * shape.kv_len / cp * u   # the held block and the one in flight
+    else:
+        tokens = shape.kv_len
+    return per_token * tokens

@@ -1,0 +1,127 @@
+"""ContextParallel(mode="auto"): the mode chosen per shape signature from the calibrated cost model.
+
+- every rank makes the same choice, the chosen mode is exact (forward and gradients vs one device)
+  and is the candidate with the lowest predicted time; ``last_choice`` reports every candidate;
+- modes that cannot run (q heads the Ulysses degree does not divide, load balancing with an odd
+  block, the ring with q and k/v of different lengths) are never offered;
+- ``memory_budget`` removes the candidates holding more k/v; none left is a ValueError on every rank;
+- a calibration file (``--calibrate``) steers the choice: slow links favour the mode that sends
+  least, a slow kernel the balanced ones;
+- arguments that conflict with ``mode="auto"`` are refused.
+"""
+import pytest
+
+from tests.harness import run_dist
+
+
+def _core(causal=True):
+    import torch
+    import torch.nn.functional as F
+
+    class Core(torch.nn.Module):
+        def forward(self, q, k, v):
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa).transpose(1, 2)
+    return Core()
+
+
+def _exact(mesh, heads, kv_heads, seq, **kwargs):
+    import torch
+    from hyper_parallel import ContextParallel, parallelize_module
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, seq, h, 8, generator=g, dtype=torch.float64, requires_grad=True)
+               for h in (heads, kv_heads, kv_heads))
+    ref = _core()(q, k, v)
+    grad = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    style = ContextParallel(mode="auto", **kwargs)
+    core = parallelize_module(_core(), mesh, style)
+    n, r = mesh.size(), mesh.get_local_rank()
+    block = slice(r * seq // n, (r + 1) * seq // n)
+    local = [t.detach()[:, block].clone().requires_grad_() for t in (q, k, v)]
+    out = core(*local)
+    torch.testing.assert_close(out, ref[:, block].detach())
+    grads = torch.autograd.grad(out, local, grad[:, block])
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want[:, block])
+    choice = style.last_choice
+    assert choice.mode == min(choice.predicted_seconds, key=lambda m: (choice.predicted_seconds[m], m))
+    return choice.mode, sorted(choice.predicted_seconds)
+
+
+def _auto_cases(rank, world_size):
+    from hyper_parallel import init_device_mesh
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    out = {"mha": _exact(mesh, 4, 4, 16), "odd_heads": _exact(mesh, 3, 3, 16), "gqa": _exact(mesh, 4, 1, 8)}
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_auto_is_exact_and_the_same_on_every_rank(world_size):
+    results = run_dist(world_size, _auto_cases)
+    assert all(r == results[0] for r in results), results
+    chosen, offered = results[0]["odd_heads"]
+    assert "ulysses" not in offered and chosen != "ulysses"   # 3 heads do not split over the ranks
+    if world_size == 4:
+        assert any(name.startswith("hybrid") for name in results[0]["mha"][1]), results[0]["mha"]
+
+
+def _budget_and_calibration(rank, world_size, tmp):
+    import torch
+    from hyper_parallel import ContextParallel, init_device_mesh, parallelize_module
+    from hyper_parallel.core.context_parallel.auto.calibration import Machine
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    q = torch.randn(1, 64, 4, 8)
+    free = ContextParallel(mode="auto")
+    parallelize_module(_core(), mesh, free)(q, q, q)
+    held = free.last_choice.held_bytes
+    budget = min(held.values()) + 1
+    tight = ContextParallel(mode="auto", memory_budget=budget)
+    parallelize_module(_core(), mesh, tight)(q, q, q)
+    assert all(held[m] <= budget for m in tight.last_choice.predicted_seconds)
+    assert tight.last_choice.over_budget, tight.last_choice
+    with pytest.raises(ValueError, match="no mode fits memory_budget"):
+        parallelize_module(_core(), mesh, ContextParallel(mode="auto", memory_budget=1))(q, q, q)
+    chosen = {}
+    for name, machine in {"slow_links": Machine(1e15, 1e3, 1e-3, 1e3, 1e-3),
+                          "slow_kernel": Machine(1e3, 1e15, 0.0, 1e15, 0.0)}.items():
+        path = f"{tmp}/{name}-{rank}.json"
+        machine.save(path)
+        style = ContextParallel(mode="auto", calibration=path)
+        parallelize_module(_core(), mesh, style)(q, q, q)
+        chosen[name] = style.last_choice.mode
+    return chosen
+
+
+def test_memory_budget_and_calibration_steer_the_choice(tmp_path):
+    results = run_dist(2, _budget_and_calibration, str(tmp_path))
+    assert all(r == results[0] for r in results)
+    # links cost everything: the fewest bytes and collectives. At P = 2 with as many k/v heads as q
+    # heads, Ulysses and all-gather KV send the same bytes (closed forms); the ring sends dK/dV
+    # back too and load balancing adds an exchange, so neither may win
+    assert results[0]["slow_links"] in ("allgather", "ulysses"), results[0]
+    # the kernel costs everything: a balanced mode, never all-gather without load balancing
+    assert results[0]["slow_kernel"] in ("ulysses", "allgather-lb", "ring-zigzag"), results[0]
+
+
+def test_candidates_are_only_modes_that_run():
+    from hyper_parallel.core.context_parallel.auto.cost_model import CallShape, candidates
+    shape = CallShape(batch=1, q_len=20, kv_len=20, q_heads=6, kv_heads=2, head_dim=8, v_head_dim=8,
+                      itemsize=4, causal=True)
+    names = {c.name for c in candidates(shape, 4)}
+    assert "ulysses" not in names and "hybrid(ds=2)" in names and "ring-zigzag" not in names  # 6 % 4, 5 odd
+    cross = CallShape(1, 16, 32, 4, 4, 8, 8, 4, False)
+    assert not any(c.kv_exchange == "ring" for c in candidates(cross, 2))
+
+
+def test_conflicting_arguments_are_refused():
+    from hyper_parallel import ContextParallel
+    for kwargs in ({"ulysses_degree": 1}, {"load_balance": True}, {"kv_exchange": "ring"}):
+        with pytest.raises(ValueError, match="mode='auto' chooses"):
+            ContextParallel(mode="auto", **kwargs)
+    with pytest.raises(ValueError, match="only apply to mode='auto'"):
+        ContextParallel(memory_budget=10)
+    with pytest.raises(ValueError, match="mode='fast' is not supported"):
+        ContextParallel(mode="fast")
