@@ -11,7 +11,15 @@ runs twice on a short random sequence, with attention replaced by a token-local 
 time with its first and last tokens changed. A module call whose inputs differ only at those tokens
 but whose output differs at another one mixes the sequence; the innermost such modules are named in
 a ValueError. The run is local to each rank (no collective), and every rank reaches the same verdict.
+
+A module hyper_parallel has made sequence-exact on the CP blocks (``mark_sequence_exact``: the
+linear-attention layers of hf_linear_attention.py) asks ``is_probing(module)`` and, during the
+probe only, runs a token-local stand-in of its own mixing, as attention does; the audit still
+measures it and everything else, so nothing unmarked is accepted and a marked module whose
+stand-in mixed would still be refused.
 """
+import weakref
+
 import torch
 
 # an odd, prime length: no hidden size, head count or head dim of a real model equals it, so the dim
@@ -27,6 +35,20 @@ _WHY = (
      "a recurrence / state-space scan needs the state of the earlier ranks"),
     (("conv",), "a convolution over the sequence needs the last (kernel - 1) tokens of the previous rank"),
 )
+
+
+_EXACT = weakref.WeakSet()   # modules whose CP forward is exact on sequence blocks
+_PROBING = [False]
+
+
+def mark_sequence_exact(module):
+    """Record that ``module``'s forward runs exactly on CP sequence blocks (it exchanges what it needs)."""
+    _EXACT.add(module)
+
+
+def is_probing(module):
+    """Whether the audit is probing and ``module`` is marked: then it runs its token-local stand-in."""
+    return _PROBING[0] and module in _EXACT
 
 
 def _seq_dim(tensor):
@@ -117,9 +139,11 @@ def _reason(class_name):
 
 def _run(model, ids):
     recorder = _Recorder(model)
+    _PROBING[0] = True
     try:
         model(input_ids=ids, use_cache=False)
     finally:
+        _PROBING[0] = False
         recorder.close()
     return recorder.calls
 

@@ -11,6 +11,7 @@ parallel ranks (``mesh["dp", "cp"].flatten()``): see docs/training.md.
 """
 from hyper_parallel.integrations.hf_chunked_loss import apply_chunked_loss, check_loss_option
 from hyper_parallel.integrations.hf_context_parallel import apply_context_parallel, prepare_context_parallel
+from hyper_parallel.integrations.hf_linear_attention import make_linear_attention_exact
 from hyper_parallel.integrations.hf_tensor_parallel import apply_tensor_parallel, translate_plan
 
 __all__ = ["parallelize_model", "translate_plan"]
@@ -34,7 +35,8 @@ def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shar
                       **context_parallel_kwargs):
     """Tensor parallelism on mesh dim ``tp`` (the model's ``base_model_tp_plan``) and context-parallel
     attention on mesh dim ``cp`` (``context_parallel_kwargs`` go to ``ContextParallel``, e.g.
-    ``ulysses_degree=1``, ``load_balance=True``, ``kv_exchange="ring"``). A dim absent from the
+    ``ulysses_degree=1``, ``load_balance=True``, ``kv_exchange="ring"``; ``linear_attention="allgather"``
+    or ``"p2p"``: how Gated DeltaNet / KDA layers pass their state, hf_linear_attention.py). A dim absent from the
     mesh (or ``None``) is skipped. Call the model with each rank's sequence block of every per-token
     input (``shard_sequence``). A ``dp_shard`` dim applies ``fully_shard`` to each decoder layer and the
     root (hf_fully_shard.py; then no data_parallel is needed), averaging the gradients over those
@@ -60,6 +62,10 @@ def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shar
     if context_parallel_kwargs and cp_mesh is None:
         raise ValueError(f"parallelize_model: context-parallel options {sorted(context_parallel_kwargs)} "
                          f"given but the mesh has no {cp!r} dim")
+    # linear-attention layers (GDN, KDA) made exact on the CP blocks before the audit measures the model
+    linear_mode = context_parallel_kwargs.pop("linear_attention", "allgather")
+    if cp_mesh is not None:
+        make_linear_attention_exact(model, cp_mesh, linear_mode)
     # context parallelism first: its audit runs the plain model (no tensor-parallel collectives)
     state = prepare_context_parallel(model, cp_mesh, context_parallel_kwargs) if cp_mesh is not None else None
     if tp_mesh is not None:
