@@ -11,6 +11,7 @@ from hyper_parallel.core.fully_shard.mixed_precision import check_policy
 from hyper_parallel.core.fully_shard.param import FSDPParam
 from hyper_parallel.core.fully_shard.param_group import FSDPParamGroup
 from hyper_parallel.core.fully_shard.state import FSDPState
+from hyper_parallel.core.fully_shard.tuple_grads import TupleUnit
 from hyper_parallel.platform import get_platform
 
 
@@ -26,6 +27,8 @@ def fully_shard(module, mesh, *, reshard_after_forward=True, mp_policy=None, ave
     policy = check_policy(mp_policy)
     mesh_info = FSDPMeshInfo(mesh)
     owned = _own_parameters(module)
+    if get_platform().gradients_as_tuple:
+        return _tuple_fully_shard(module, owned, mesh_info, policy, average)
     params = [FSDPParam(locations, param, mesh_info) for param, locations in owned]
     group = FSDPParamGroup(params, mesh_info, policy, average)
     group.reshard_after_forward = reshard_after_forward
@@ -40,6 +43,46 @@ def fully_shard(module, mesh, *, reshard_after_forward=True, mp_policy=None, ave
     module.set_reshard_after_backward = lambda flag, recurse=True: _set(module, "reshard_after_backward",
                                                                         flag, recurse)
     return module
+
+
+def _tuple_fully_shard(module, owned, mesh_info, policy, average):
+    """MindSpore: the all-gather inside the differentiated graph (tuple_grads.py)."""
+    unit = TupleUnit(module, owned, mesh_info, policy, average)
+    module._hp_fsdp_state = unit
+    setters = {f"set_{field}": field for field in ("requires_gradient_sync", "reshard_after_forward",
+                                                   "reshard_after_backward")}
+
+    def unshard(async_op=False):
+        unit.keep = True
+        unit.unshard()
+        return _DoneHandle() if async_op else None
+
+    def reshard():
+        unit.keep = False
+        unit.reshard()
+
+    def setter(field):
+        return lambda flag, recurse=True: _set_tuple(module, field, flag, recurse)
+    for attr, value in (("unshard", unshard), ("reshard", reshard),
+                        *((name, setter(field)) for name, field in setters.items())):
+        object.__setattr__(module, attr, value)   # a Cell's __setattr__ would register Cells / params
+    return module
+
+
+class _DoneHandle:
+    def wait(self):
+        return None
+
+
+def _set_tuple(module, field, flag, recurse):
+    if not isinstance(flag, bool):
+        raise ValueError(f"{field}: pass True or False, got {flag!r}")
+    platform = get_platform()
+    modules = [m for _, m in platform.named_modules(module)] if recurse else [module]
+    for m in modules:
+        unit = getattr(m, "_hp_fsdp_state", None)
+        if unit is not None:
+            unit.set_flag(field, flag)
 
 
 def _check_arguments(module, reshard_after_forward, average):

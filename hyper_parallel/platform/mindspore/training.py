@@ -17,6 +17,7 @@ from mindspore import mint, ops
 
 from hyper_parallel.platform.mindspore import compile_guard, reflected_ops
 from hyper_parallel.platform.mindspore.compile_guard import GRAPH_MODE_MESSAGE, check_pynative
+from hyper_parallel.platform.mindspore.fully_shard_support import MindSporeFullyShardSupport
 
 
 class _GradReducerCell(ms.nn.Cell):
@@ -43,7 +44,7 @@ def _to_numpy(tensor):
     return tensor.asnumpy()
 
 
-class MindSporeTrainingSupport:
+class MindSporeTrainingSupport(MindSporeFullyShardSupport):   # fully_shard's members: its own file
     """Mixin of ``MindSporePlatform`` (see the module docstring)."""
 
     # gradients reach the training step as a tuple (core: data_parallel_tuple), not through hooks
