@@ -47,6 +47,7 @@ _EXPORTS = {
     "MixedPrecisionPolicy": "hyper_parallel.core.fully_shard",
     "shard_sequence": "hyper_parallel.core.shard_sequence",
     "chunked_cross_entropy": "hyper_parallel.core.long_sequence",
+    "tiled_mlp": "hyper_parallel.core.long_sequence",
 }
 
 __all__ = sorted(_EXPORTS)

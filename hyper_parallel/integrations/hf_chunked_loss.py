@@ -29,8 +29,8 @@ _LOSS_KEYWORDS = ("labels", "shift_labels", "num_items_in_batch", "ignore_index"
 
 def check_loss_option(loss):
     if loss not in LOSS_OPTIONS:
-        raise ValueError(f"parallelize_model(loss={loss!r}): pass loss='chunked' (the loss in sequence tiles, "
-                         f"no logits) or None (the model's own loss)")
+        raise ValueError(f"parallelize_model(loss={loss!r}): pass loss='chunked' (the loss in sequence "
+                         f"tiles, no logits) or None (the model's own loss)")
 
 
 def _check_model(model):
@@ -77,10 +77,10 @@ def _shifted_labels(arguments, context_parallel, ignore_index):
     if shift_labels is not None:
         return shift_labels
     if context_parallel:
-        raise ValueError("under context parallelism the model cannot shift labels= itself (the next token of a "
-                         "rank's last token is on the next rank); shift on the whole sequence, shard_sequence "
-                         "the result and pass it as shift_labels= (with num_items_in_batch= the global count "
-                         "of labels != -100, so the ranks' losses add up to the global mean)")
+        raise ValueError("under context parallelism the model cannot shift labels= itself (the next token "
+                         "of a rank's last token is on the next rank); shift on the whole sequence, "
+                         "shard_sequence the result and pass it as shift_labels= (with num_items_in_batch= "
+                         "the global count of labels != -100, so the ranks' losses add up to the global mean)")
     # the model's own shift: token t predicts label t + 1, the last token nothing
     return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
 

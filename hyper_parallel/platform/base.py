@@ -11,11 +11,11 @@ from hyper_parallel.platform.handles import AsyncHandle, CompletedHandle  # noqa
 from hyper_parallel.platform.training_contract import TrainingLoopContract, unavailable as _unavailable
 from hyper_parallel.platform.split_collectives import SplitCollectivesContract
 from hyper_parallel.platform.linear_algebra_contract import LinearAlgebraContract
-
+from hyper_parallel.platform.long_sequence_contract import LongSequenceContract as _LongSequence
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
 
-class Platform(TrainingLoopContract, SplitCollectivesContract, LinearAlgebraContract, abc.ABC):
+class Platform(TrainingLoopContract, SplitCollectivesContract, LinearAlgebraContract, _LongSequence, abc.ABC):
     """Abstract platform. A subclass sets ``_comm`` (its raw collectives) in ``__init__``. Declared in their
     own files: the training loop, split collectives, the delta rule's linear algebra (*_contract.py)."""
 

@@ -89,8 +89,9 @@ def _forward(ctx, hidden, weight, labels, plan):
         lse_tiles.append((row_max + log_sum).reshape(-1))
         loss_tiles.append((log_sum - target).reshape(-1))
     valid = labels != plan.ignore_index
-    lse = platform.cat(lse_tiles, dim=0) if lse_tiles else platform.zeros((0,), dtype=dtype, device=hidden.device)
-    losses = platform.cat(loss_tiles, dim=0) if loss_tiles else lse
+    empty = platform.zeros((0,), dtype=dtype, device=hidden.device)
+    lse = platform.cat(lse_tiles, dim=0) if lse_tiles else empty
+    losses = platform.cat(loss_tiles, dim=0) if loss_tiles else empty
     losses = losses.masked_fill(valid.logical_not(), 0.0)
     count = valid.sum()
     ctx.save_for_backward(hidden, weight, labels, lse, count)

@@ -15,7 +15,7 @@ def check_arguments(hidden, weight, labels, chunk_size, ignore_index, reduction)
     if reduction not in REDUCTIONS:
         raise ValueError(f"{who}(reduction={reduction!r}): pass one of {REDUCTIONS}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"{who}(chunk_size={chunk_size!r}): pass a positive int (tokens per tile, e.g. 1024)")
+        raise ValueError(f"{who}(chunk_size={chunk_size!r}): pass a positive int (tokens per tile: 1024)")
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise ValueError(f"{who}(ignore_index={ignore_index!r}): pass an int (e.g. -100)")
     if len(weight.shape) != 2:
@@ -25,7 +25,8 @@ def check_arguments(hidden, weight, labels, chunk_size, ignore_index, reduction)
         raise ValueError(f"{who}: hidden has shape {tuple(hidden.shape)} but weight {tuple(weight.shape)}; "
                          f"hidden's last dim must be the weight's dim 1 ({weight.shape[1]})")
     if tuple(labels.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"{who}: labels have shape {tuple(labels.shape)}, hidden {tuple(hidden.shape)}; pass "
+        raise ValueError(f"{who}: labels have shape {tuple(labels.shape)}, hidden {tuple(hidden.shape)}; "
+                         f"pass "
                          f"one label per hidden vector (labels.shape == hidden.shape[:-1])")
     if get_platform().is_floating_point(labels):
         raise ValueError(f"{who}: labels have dtype {labels.dtype}; pass class indices (an integer tensor)")

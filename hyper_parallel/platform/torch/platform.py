@@ -18,10 +18,11 @@ from hyper_parallel.platform.torch.aten_kinds import aten_kind, foreach_to_singl
 from hyper_parallel.platform.torch.collectives import Collectives
 from hyper_parallel.platform.torch.dtensor_base import TorchDTensorBase
 from hyper_parallel.platform.torch.linear_algebra import TorchLinearAlgebra
+from hyper_parallel.platform.torch.long_sequence import TorchLongSequence
 from hyper_parallel.platform.torch.memory import PeakMemory
 
 
-class TorchPlatform(TorchLinearAlgebra, Platform):
+class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, Platform):
     name = "torch"
     Tensor = torch.Tensor
     Module = torch.nn.Module
