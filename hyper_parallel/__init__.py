@@ -48,6 +48,7 @@ _EXPORTS = {
     "shard_sequence": "hyper_parallel.core.shard_sequence",
     "chunked_cross_entropy": "hyper_parallel.core.long_sequence",
     "tiled_mlp": "hyper_parallel.core.long_sequence",
+    "offload_activations": "hyper_parallel.core.long_sequence",
 }
 
 __all__ = sorted(_EXPORTS)
