@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--plot", default=None, help="write a PNG (needs matplotlib)")
     p.add_argument("--sweep", action="store_true", help="also time a sequence-length sweep (for --plot)")
     p.add_argument("--compare", action="store_true", help="add rows for peer implementations when importable")
+    p.add_argument("--kind", default="attention", choices=("attention", "gdn"),
+                   help="gdn: linear-attention rows (the gated delta rule, benchmarks/cp_linear.py)")
     p.add_argument("--packed", type=int, default=0, metavar="N",
                    help="N packed documents per row: modes run under attention_masks(document_ids=...) "
                         "against a dense-mask reference (torch)")
@@ -143,6 +145,9 @@ def run_rank(args):
     rank, world = platform.get_rank(), platform.get_world_size()
     fw.set_threads(world)
     mesh = init_device_mesh(platform.device_type, (world,))
+    if args.kind == "gdn":
+        from benchmarks import cp_linear
+        return cp_linear.run(args, mesh, platform)
     lead = rank == 0
     if lead:
         print(header(args, world, platform.name, platform.capabilities()), flush=True)
