@@ -339,12 +339,12 @@ class Platform(TrainingLoopContract, SplitCollectivesContract, LinearAlgebraCont
         """Scaled dot-product attention on (..., heads, seq, dim) tensors."""
 
     @abc.abstractmethod
-    def attention_block_forward(self, q, k, v, causal=False, scale=None, mask=None):
-        """(out, float32 log-sum-exp) of attention over one key block (batch, heads, seq, dim);
-        ``mask``: optional boolean (batch, 1, q seq, k seq), True where attention is allowed."""
+    def attention_block_forward(self, q, k, v, causal=False, scale=None, mask=None, softcap=None):
+        """(out, fp32 log-sum-exp) over a key block (b, h, s, d); mask: bool; softcap c: s -> c·tanh(s/c)."""
 
     @abc.abstractmethod
-    def attention_block_backward(self, grad_out, q, k, v, out, lse, causal=False, scale=None, mask=None):
+    def attention_block_backward(self, grad_out, q, k, v, out, lse, causal=False, scale=None, mask=None,
+                                 softcap=None):
         """(dq, dk, dv) of one key block, given the final output and log-sum-exp of the row."""
 
     # ---------------------------------------------------------------- dispatch hooks

@@ -78,34 +78,41 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 # ------------------------------------------------------------------------------ ring kernels
-def _scores(q, k, causal, scale, mask=None):
+def _scores(q, k, causal, scale, mask=None, softcap=None):
+    """(masked scores, scale, tanh of the soft-capped scores or None: Gemma 2's c·tanh(s / c))."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = ops.matmul(q.astype(ms.float32), k.astype(ms.float32).swapaxes(-1, -2)) * scale
+    capped = None
+    if softcap:
+        capped = ops.tanh(s / softcap)
+        s = capped * softcap
     if causal:
         keep = ops.tril(mint.ones(tuple(s.shape[-2:]), dtype=ms.int32)).astype(ms.bool_)
         s = s.masked_fill(~keep, float("-inf"))
     if mask is not None:   # boolean, True where attention is allowed
         s = s.masked_fill(~mask, float("-inf"))
-    return s, scale
+    return s, scale, capped
 
 
-def block_forward(q, k, v, causal=False, scale=None, mask=None):
+def block_forward(q, k, v, causal=False, scale=None, mask=None, softcap=None):
     """(out, float32 log-sum-exp) of attention over one key block (batch, heads, seq, dim)."""
-    s, _ = _scores(q, k, causal, scale, mask)
+    s, _, _ = _scores(q, k, causal, scale, mask, softcap)
     lse = ops.logsumexp(s, -1)
     out = ops.matmul(ops.exp(s - lse.unsqueeze(-1)), v.astype(ms.float32))
     return out.astype(q.dtype), lse
 
 
-def block_backward(grad_out, q, k, v, out, lse, causal=False, scale=None, mask=None):
+def block_backward(grad_out, q, k, v, out, lse, causal=False, scale=None, mask=None, softcap=None):
     """(dq, dk, dv) of one key block, given the row's final output and log-sum-exp."""
-    s, scale = _scores(q, k, causal, scale, mask)
+    s, scale, capped = _scores(q, k, causal, scale, mask, softcap)
     p = ops.exp(s - lse.unsqueeze(-1))
     g = grad_out.astype(ms.float32)
     dv = ops.matmul(p.swapaxes(-1, -2), g)
     dp = ops.matmul(g, v.astype(ms.float32).swapaxes(-1, -2))
     delta = (g * out.astype(ms.float32)).sum(-1, keepdim=True)
     ds = p * (dp - delta)
+    if capped is not None:
+        ds = ds * (1 - capped * capped)   # d(c·tanh(s/c))/ds
     dq = ops.matmul(ds, k.astype(ms.float32)) * scale
     dk = ops.matmul(ds.swapaxes(-1, -2), q.astype(ms.float32)) * scale
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

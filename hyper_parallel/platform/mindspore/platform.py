@@ -305,12 +305,13 @@ class MindSporePlatform(MindSporeTrainingSupport, Platform):  # training.py: fac
         return attention_kernels.sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
     @staticmethod
-    def attention_block_forward(q, k, v, causal=False, scale=None, mask=None):
-        return attention_kernels.block_forward(q, k, v, causal, scale, mask)
+    def attention_block_forward(q, k, v, causal=False, scale=None, mask=None, softcap=None):
+        return attention_kernels.block_forward(q, k, v, causal, scale, mask, softcap)
 
     @staticmethod
-    def attention_block_backward(grad_out, q, k, v, out, lse, causal=False, scale=None, mask=None):
-        return attention_kernels.block_backward(grad_out, q, k, v, out, lse, causal, scale, mask)
+    def attention_block_backward(grad_out, q, k, v, out, lse, causal=False, scale=None, mask=None,
+                                 softcap=None):
+        return attention_kernels.block_backward(grad_out, q, k, v, out, lse, causal, scale, mask, softcap)
 
 
 class _PeakMemory:

@@ -4,6 +4,9 @@ top-left aligned mask j <= i; ``mask`` (optional) is a boolean tensor broadcasta
 q seq, k seq), True where attention is allowed. The log-sum-exp is float32 (float64 for float64
 inputs), shaped (batch, heads, seq). A row whose mask is all False has an unspecified output and
 log-sum-exp (the CPU kernel gives 0 for both): callers that mask rows away handle them.
+``softcap`` c (optional, Gemma 2's logit soft-capping) replaces each scaled score s by c·tanh(s / c)
+before the masks and the softmax; the fused kernels have no such step, so a soft-capped block runs
+the plain tensor version (exact; its backward goes through d tanh = 1 - tanh²).
 
 CPU uses the fused flash-attention-for-CPU kernels; elsewhere a plain tensor version (exact, not
 memory-efficient) is the fallback.
@@ -34,9 +37,9 @@ def _cut(t, size):
     return t if t.shape[-1] == size else t[..., :size].contiguous()
 
 
-def block_forward(q, k, v, causal, scale, mask=None):
-    if not _cpu_flash(q):
-        return _math_forward(q, k, v, causal, scale, mask)
+def block_forward(q, k, v, causal, scale, mask=None, softcap=None):
+    if softcap or not _cpu_flash(q):
+        return _math_forward(q, k, v, causal, scale, mask, softcap)
     size, scale = max(q.shape[-1], v.shape[-1]), q.shape[-1] ** -0.5 if scale is None else scale
     out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
         _pad_dim(q, size), _pad_dim(k, size), _pad_dim(v, size), 0.0, causal, attn_mask=_additive(mask, q),
@@ -44,9 +47,9 @@ def block_forward(q, k, v, causal, scale, mask=None):
     return _cut(out, v.shape[-1]), lse
 
 
-def block_backward(grad_out, q, k, v, out, lse, causal, scale, mask=None):
-    if not _cpu_flash(q):
-        return _math_backward(grad_out, q, k, v, out, lse, causal, scale, mask)
+def block_backward(grad_out, q, k, v, out, lse, causal, scale, mask=None, softcap=None):
+    if softcap or not _cpu_flash(q):
+        return _math_backward(grad_out, q, k, v, out, lse, causal, scale, mask, softcap)
     size, scale = max(q.shape[-1], v.shape[-1]), q.shape[-1] ** -0.5 if scale is None else scale
     dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
         _pad_dim(grad_out.contiguous(), size), _pad_dim(q, size), _pad_dim(k, size), _pad_dim(v, size),
@@ -58,32 +61,39 @@ def _acc(t):
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def _scores(q, k, causal, scale, mask=None):
+def _scores(q, k, causal, scale, mask=None, softcap=None):
+    """(masked scores, scale, tanh of the capped scores or None)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s = torch.matmul(_acc(q), _acc(k).transpose(-1, -2)) * scale
+    capped = None
+    if softcap:
+        capped = torch.tanh(s / softcap)
+        s = capped * softcap
     if causal:
         triangle = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~triangle, float("-inf"))
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
-    return s, scale
+    return s, scale, capped
 
 
-def _math_forward(q, k, v, causal, scale, mask=None):
-    s, _ = _scores(q, k, causal, scale, mask)
+def _math_forward(q, k, v, causal, scale, mask=None, softcap=None):
+    s, _, _ = _scores(q, k, causal, scale, mask, softcap)
     lse = torch.logsumexp(s, dim=-1)
     out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _acc(v))
     return out.to(q.dtype), lse
 
 
-def _math_backward(grad_out, q, k, v, out, lse, causal, scale, mask=None):
-    s, scale = _scores(q, k, causal, scale, mask)
+def _math_backward(grad_out, q, k, v, out, lse, causal, scale, mask=None, softcap=None):
+    s, scale, capped = _scores(q, k, causal, scale, mask, softcap)
     p = torch.exp(s - lse.unsqueeze(-1))
     g = _acc(grad_out)
     dv = torch.matmul(p.transpose(-1, -2), g)
     dp = torch.matmul(g, _acc(v).transpose(-1, -2))
     delta = (g * _acc(out)).sum(-1, keepdim=True)
     ds = p * (dp - delta)
+    if capped is not None:
+        ds = ds * (1 - capped * capped)   # d(c·tanh(s/c))/ds; masked entries have p = 0 already
     dq = torch.matmul(ds, _acc(k)) * scale
     dk = torch.matmul(ds.transpose(-1, -2), _acc(q)) * scale
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -355,12 +355,13 @@ class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, Platform):
                                               is_causal=is_causal, scale=scale, **kwargs)
 
     @staticmethod
-    def attention_block_forward(q, k, v, causal=False, scale=None, mask=None):
+    def attention_block_forward(q, k, v, causal=False, scale=None, mask=None, softcap=None):
         """(out, float32 log-sum-exp) of attention over one key block (batch, heads, seq, dim);
         ``mask``: optional boolean, True where attention is allowed."""
-        return attention_kernels.block_forward(q, k, v, causal, scale, mask)
+        return attention_kernels.block_forward(q, k, v, causal, scale, mask, softcap)
 
     @staticmethod
-    def attention_block_backward(grad_out, q, k, v, out, lse, causal=False, scale=None, mask=None):
+    def attention_block_backward(grad_out, q, k, v, out, lse, causal=False, scale=None, mask=None,
+                                 softcap=None):
         """(dq, dk, dv) of one key block, given the final output and log-sum-exp of the row."""
-        return attention_kernels.block_backward(grad_out, q, k, v, out, lse, causal, scale, mask)
+        return attention_kernels.block_backward(grad_out, q, k, v, out, lse, causal, scale, mask, softcap)
