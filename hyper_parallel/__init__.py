@@ -40,6 +40,7 @@ _EXPORTS = {
     "loss_parallel": "hyper_parallel.core.tensor_parallel",
     "ContextParallel": "hyper_parallel.core.context_parallel",
     "AsyncContextParallel": "hyper_parallel.core.context_parallel",
+    "attention": "hyper_parallel.core.context_parallel",
     "attention_masks": "hyper_parallel.core.context_parallel",
     "start_attention": "hyper_parallel.core.context_parallel",
     "data_parallel": "hyper_parallel.core.data_parallel",

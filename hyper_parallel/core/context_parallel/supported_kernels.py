@@ -10,7 +10,8 @@ are turned into a ValueError naming the supported kernels; the original error is
 """
 
 SUPPORTED = ("F.scaled_dot_product_attention (every mode, attention_masks for padding / packed "
-             "documents), the NPU npu_fusion_attention, or attention written with matmul/softmax "
+             "documents), hyper_parallel.attention (the same, with soft-capping, sinks and a sliding "
+             "window), the NPU npu_fusion_attention, or attention written with matmul/softmax "
              "(all-gather / Ulysses modes without attention_masks)")
 _UNSUPPORTED = ("flex_attention",)
 

@@ -4,7 +4,7 @@ A tile covers global query positions [q0, q0+ql) and key positions [k0, k0+kl) o
 [b0, b0+nb). Its kind decides what the kernel runs:
 
 * ``skip``: no query of the tile sees any key (another document, padding, above the causal
-  diagonal) -- no compute at all;
+  diagonal, outside the sliding window) -- no compute at all;
 * ``full``: every query sees every key -- the kernel without a mask;
 * ``causal``: exactly the top-left causal triangle (q0 == k0) -- the kernel's own causal mask;
 * ``masked``: anything else -- the kernel with the tile's boolean mask (nb, 1, ql, kl), built from
@@ -15,7 +15,7 @@ masks.py), and only a ``masked`` tile's mask moves to the device of q.
 """
 from dataclasses import dataclass
 
-from hyper_parallel.platform import get_platform
+from hyper_parallel.core.dtensor.ops.attention_band import band_mask, relation
 
 
 @dataclass(frozen=True)
@@ -33,15 +33,13 @@ def spans(span, size):
     return [Span(s, min(size, span.stop - s)) for s in range(span.start, span.stop, size)]
 
 
-def _causal_only(q, k):
-    """The kind of a tile under the causal mask alone (None: partly visible, not the diagonal)."""
-    if k.start >= q.stop:
-        return "skip"
-    if k.stop - 1 <= q.start:
-        return "full"
-    if q.start == k.start and q.length == k.length:
-        return "causal"
-    return None
+_BY_POSITION = {"skip": "skip", "full": "full", "diag": "causal", "mask": None}
+
+
+def _by_position(q, k, causal, window):
+    """The kind of a tile under the causal mask and the sliding window alone (None: partly visible,
+    not the plain diagonal); attention_band.py decides, as for the unmasked kernels."""
+    return _BY_POSITION[relation(q.start, q.length, k.start, k.length, causal, window)]
 
 
 def _content_mask(masks, rows, q, k):
@@ -57,28 +55,26 @@ def _content_mask(masks, rows, q, k):
     return mask
 
 
-def _visible(masks, rows, q, k, causal):
-    """(kind by the causal mask alone, the tile's (nb, ql, kl) visibility or None for all-visible,
-    the causal triangle or None) of a tile."""
-    by_causal = _causal_only(q, k) if causal else "full"
+def _visible(masks, rows, q, k, causal, window=None):
+    """(kind by the causal mask and window alone, the tile's (nb, ql, kl) visibility or None for
+    all-visible, the positional (ql, kl) mask or None) of a tile."""
+    by_causal = _by_position(q, k, causal, window)
     if by_causal == "skip":
         return "skip", None, None
     mask, triangle = _content_mask(masks, rows, q, k), None
-    if causal and by_causal != "full":
-        platform = get_platform()
+    if by_causal != "full":
         device = mask.device if mask is not None else None
-        key_pos = platform.arange(k.length, device=device) + k.start
-        query_pos = platform.arange(q.length, device=device) + q.start
-        triangle = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+        triangle = band_mask(q.start, q.length, k.start, k.length, causal, window, device).reshape(
+            (q.length, k.length))
         mask = triangle.unsqueeze(0) if mask is None else mask & triangle
         if mask.shape[0] != rows.length:
             mask = mask.expand((rows.length, q.length, k.length))
     return by_causal, mask, triangle
 
 
-def tile_kind(masks, rows, q, k, causal):
+def tile_kind(masks, rows, q, k, causal, window=None):
     """The kind of one tile (the tile's mask is built to decide, then dropped: see ``tile_mask``)."""
-    by_causal, mask, triangle = _visible(masks, rows, q, k, causal)
+    by_causal, mask, triangle = _visible(masks, rows, q, k, causal, window)
     if by_causal == "skip":
         return "skip"
     if by_causal == "causal" and bool((mask == triangle).all()):
@@ -90,10 +86,10 @@ def tile_kind(masks, rows, q, k, causal):
     return "masked"
 
 
-def tile_mask(masks, rows, q, k, causal):
+def tile_mask(masks, rows, q, k, causal, window=None):
     """The (nb, 1, ql, kl) mask of a ``masked`` tile, built again where the kernel runs the tile, so
     no more than one tile's mask is alive at a time."""
-    return _visible(masks, rows, q, k, causal)[1].unsqueeze(1)
+    return _visible(masks, rows, q, k, causal, window)[1].unsqueeze(1)
 
 
 __all__ = ["Span", "spans", "tile_kind", "tile_mask"]

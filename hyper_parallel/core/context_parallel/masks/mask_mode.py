@@ -60,9 +60,6 @@ class MaskInterceptor(Interceptor):
         if call.name == "sdpa":
             check_call(call, "F.scaled_dot_product_attention")
         variant, sinks = call_variant(call)
-        if variant.window is not None:
-            raise ValueError(f"attention_masks: window={variant.window} together with padding / document masks "
-                             f"is not implemented; use the window without attention_masks")
         specs = [call.spec(t) for t in (q, k, v)]
         q_box, k_box = specs[0].local_box(), specs[1].local_box()
         seq_len = specs[0].shape[2]
@@ -79,7 +76,7 @@ class MaskInterceptor(Interceptor):
         def local(call_, args, kwargs):
             values = [args[i] if i < len(args) else kwargs.get(ARG_NAMES[i]) for i in range(3)]
             return masked_attention(*values, masks, rows, q_span, k_span, variant.causal, variant.scale,
-                                    variant.softcap, sinks)
+                                    variant.softcap, sinks, variant.window)
         inputs = [None] * len(call.specs)
         for t, s in zip((q, k, v), specs):
             inputs[call.index(t)] = s.placements

@@ -10,6 +10,7 @@ recomputes each tile's gradients from the final (out, lse) of its rows.
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.context_parallel.masks.block_masks import Span, spans, tile_kind, tile_mask
 from hyper_parallel.core.dtensor.ops.attention import expand_heads, fold_heads
+from hyper_parallel.core.dtensor.ops.attention_lse import fold_sinks, sinks_grad
 from hyper_parallel.platform import get_platform
 
 NEG_INF = float("-inf")
@@ -28,7 +29,7 @@ def _key_tiles(q_tiles, k_span, size):
     return out
 
 
-def plan(masks, rows, q_span, k_span, causal):
+def plan(masks, rows, q_span, k_span, causal, window=None):
     """[(query tile, [(key tile, kind)])], skipped key tiles left out. Only the kinds are kept (a few
     bytes per tile): a ``masked`` tile's mask is rebuilt from the ids where it is used, so a call holds
     one tile's mask at a time, not every partial tile's (O(B·S·block) over a Ulysses rank's S)."""
@@ -39,7 +40,7 @@ def plan(masks, rows, q_span, k_span, causal):
     for q in q_tiles:
         keys = []
         for k in k_tiles:
-            kind = tile_kind(masks, rows, q, k, causal)
+            kind = tile_kind(masks, rows, q, k, causal, window)
             if kind != "skip":
                 keys.append((k, kind))
         result.append((q, keys))
@@ -76,13 +77,14 @@ def _lse_dtype(q):
     return ref.double().dtype if q.dtype == ref.double().dtype else ref.float().dtype
 
 
-def forward(q, k, v, masks, rows, q_span, k_span, causal, scale):
+def forward(q, k, v, masks, rows, q_span, k_span, causal, scale, softcap=None, window=None):
     """(out in float32/64, lse) of q's rows over k/v's keys; None when the masks leave no key
-    visible to any row (nothing was computed)."""
+    visible to any row (nothing was computed). ``softcap``: scores soft-capped (the block kernels');
+    ``window``: the sliding window on top of ``causal`` (block_masks.py)."""
     platform = get_platform()
     groups = q.shape[-3] // k.shape[-3]
     outs, lses = [], []
-    tiles = plan(masks, rows, q_span, k_span, causal)
+    tiles = plan(masks, rows, q_span, k_span, causal, window)
     if not any(keys for _, keys in tiles):
         return None
     for q_tile, keys in tiles:
@@ -90,13 +92,15 @@ def forward(q, k, v, masks, rows, q_span, k_span, causal, scale):
         for k_tile, kind in keys:
             kt, vt = (expand_heads(_narrow(t, k_tile, k_span), groups) for t in (k, v))
             if kind == "masked":
-                mask = _on(tile_mask(masks, rows, q_tile, k_tile, causal), q)
-                out, lse = platform.attention_block_forward(qt, kt, vt, False, scale, mask=mask)
+                mask = _on(tile_mask(masks, rows, q_tile, k_tile, causal, window), q)
+                out, lse = platform.attention_block_forward(qt, kt, vt, False, scale, mask=mask,
+                                                            softcap=softcap)
                 empty = ~mask.any(-1)   # (nb, 1, ql): the kernel's lse for such rows is not -inf
                 lse = lse.masked_fill(empty, NEG_INF)
                 out = out.masked_fill(empty.unsqueeze(-1), 0.0)
             else:
-                out, lse = platform.attention_block_forward(qt, kt, vt, kind == "causal", scale)
+                out, lse = platform.attention_block_forward(qt, kt, vt, kind == "causal", scale,
+                                                            softcap=softcap)
             acc = merge(acc, out, lse)
         if acc is None:
             acc = empty_result(qt, v)
@@ -106,13 +110,14 @@ def forward(q, k, v, masks, rows, q_span, k_span, causal, scale):
     return (outs[0], lses[0]) if len(outs) == 1 else (cat(outs, SEQ), cat(lses, SEQ))
 
 
-def backward(grad_out, q, k, v, out, lse, masks, rows, q_span, k_span, causal, scale):
+def backward(grad_out, q, k, v, out, lse, masks, rows, q_span, k_span, causal, scale, softcap=None,
+             window=None):
     """(dq, dk, dv) in the accumulation dtype (lse's) for one q block against one k/v block; None
     when the masks leave no key visible to any row."""
     platform = get_platform()
     groups = q.shape[-3] // k.shape[-3]
     acc = lse.dtype
-    tiles = plan(masks, rows, q_span, k_span, causal)
+    tiles = plan(masks, rows, q_span, k_span, causal, window)
     if not any(keys for _, keys in tiles):
         return None
     live_lse = lse.masked_fill(lse == NEG_INF, 0.0)   # rows seeing nothing: every score is masked anyway
@@ -123,9 +128,9 @@ def backward(grad_out, q, k, v, out, lse, masks, rows, q_span, k_span, causal, s
         dqt = qt.new_zeros(tuple(qt.shape), dtype=acc)
         for k_tile, kind in keys:
             kt, vt = (expand_heads(_narrow(t, k_tile, k_span), groups) for t in (k, v))
-            extra = {}
+            extra = {"softcap": softcap} if softcap else {}
             if kind == "masked":
-                extra["mask"] = _on(tile_mask(masks, rows, q_tile, k_tile, causal), q)
+                extra["mask"] = _on(tile_mask(masks, rows, q_tile, k_tile, causal, window), q)
             dqb, dkb, dvb = platform.attention_block_backward(gt, qt, kt, vt, ot, lt, kind == "causal",
                                                               scale, **extra)
             dqt = dqt + dqb
@@ -166,29 +171,36 @@ def empty_result(q, v):
     return q.new_zeros(shape + (v.shape[-1],), dtype=dtype), lse.masked_fill(lse == 0, NEG_INF)
 
 
-def _autograd_forward(ctx, q, k, v, masks, rows, q_span, k_span, causal, scale):
-    out, lse = forward(q, k, v, masks, rows, q_span, k_span, causal, scale) or empty_result(q, v)
+def _autograd_forward(ctx, q, k, v, sinks, masks, rows, q_span, k_span, causal, scale, softcap, window):
+    out, lse = forward(q, k, v, masks, rows, q_span, k_span, causal, scale, softcap, window) or \
+        empty_result(q, v)
+    if sinks is not None:   # the sink logits join the denominator once, after every tile (attention_lse.py)
+        out, lse = fold_sinks(out, lse, sinks)
     out = out.to(q.dtype)
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (masks, rows, q_span, k_span, causal, scale)
+    ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
+    ctx.args = (masks, rows, q_span, k_span, causal, scale, softcap, window)
     return out
 
 
 def _autograd_backward(ctx, grad_out):
-    q, k, v, out, lse = ctx.saved_tensors
-    grads = backward(grad_out.contiguous(), q, k, v, out, lse, *ctx.args)
+    q, k, v, out, lse, *sinks = ctx.saved_tensors
+    grad_out = grad_out.contiguous()
+    grads = backward(grad_out, q, k, v, out, lse, *ctx.args)
     if grads is None:
         grads = (q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape))
     dq, dk, dv = grads
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+    dsinks = sinks_grad(grad_out, out, lse, sinks[0]) if sinks else None
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks) + (None,) * 8
 
 
 _MASKED_ATTENTION = lazy_autograd_function("MaskedBlockAttention", _autograd_forward, _autograd_backward)
 
 
-def masked_attention(q, k, v, masks, rows, q_span, k_span, causal, scale):
-    """Differentiable masked attention of q (rows ``q_span``) on k/v (keys ``k_span``)."""
-    return _MASKED_ATTENTION(q, k, v, masks, rows, q_span, k_span, causal, scale)
+def masked_attention(q, k, v, masks, rows, q_span, k_span, causal, scale, softcap=None, sinks=None,
+                     window=None):
+    """Differentiable masked attention of q (rows ``q_span``) on k/v (keys ``k_span``); ``softcap``
+    ``sinks`` (one logit per head of q) and ``window`` as ``hyper_parallel.attention``'s."""
+    return _MASKED_ATTENTION(q, k, v, sinks, masks, rows, q_span, k_span, causal, scale, softcap, window)
 
 
 __all__ = ["forward", "backward", "masked_attention", "merge", "plan"]

@@ -19,21 +19,24 @@ class MaskedBlocks:
     merge = staticmethod(kernel.merge)     # keeps rows that saw no key at (0, -inf)
     empty = staticmethod(kernel.empty_result)
 
-    def __init__(self, masks, causal, scale):
-        self.masks, self.causal, self.scale = masks, causal, scale
+    def __init__(self, masks, causal, scale, softcap=None, window=None):
+        self.masks, self.causal, self.scale, self.softcap, self.window = masks, causal, scale, softcap, window
 
     def forward(self, q, k, v, q_span, k_span):
         rows = Span(0, q.shape[BATCH])
-        return kernel.forward(q, k, v, self.masks, rows, q_span, k_span, self.causal, self.scale)
+        return kernel.forward(q, k, v, self.masks, rows, q_span, k_span, self.causal, self.scale,
+                              self.softcap, self.window)
 
     def backward(self, grad_out, q, k, v, out, lse, q_span, k_span):
         rows = Span(0, q.shape[BATCH])
         return kernel.backward(grad_out, q, k, v, out, lse, self.masks, rows, q_span, k_span, self.causal,
-                               self.scale)
+                               self.scale, self.softcap, self.window)
 
 
-def masked_ring_attention(q, k, v, layout, masks, causal=False, scale=None):
-    """Ring attention of this rank's (batch, heads, seq, dim) blocks under ``masks`` (masks.py)."""
+def masked_ring_attention(q, k, v, layout, masks, causal=False, scale=None, softcap=None, sinks=None,
+                          window=None):
+    """Ring attention of this rank's (batch, heads, seq, dim) blocks under ``masks`` (masks.py);
+    ``softcap``, ``sinks`` (this rank's query heads) and ``window`` as ``hyper_parallel.attention``'s."""
     if q.ndim != 4:
         raise ValueError(f"attention_masks: ring attention needs (batch, heads, seq, dim) blocks, got "
                          f"{q.ndim}-D q")
@@ -41,7 +44,7 @@ def masked_ring_attention(q, k, v, layout, masks, causal=False, scale=None):
         raise ValueError(f"attention_masks: ring attention got {q.shape[BATCH]} batch rows here, the masks "
                          f"{masks.batch_and_length[0]}; the ring does not support a batch split outside the "
                          f"CP mesh")
-    return run_ring(q, k, v, layout, MaskedBlocks(masks, causal, scale))
+    return run_ring(q, k, v, layout, MaskedBlocks(masks, causal, scale, softcap, window), sinks)
 
 
 __all__ = ["MaskedBlocks", "masked_ring_attention"]

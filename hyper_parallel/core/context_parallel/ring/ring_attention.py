@@ -21,6 +21,10 @@ single-device attention for any P; the bytes sent are the same, in twice the mes
 
 With ``zigzag`` each rank holds two sequence chunks (ids 2r and 2P-1-2r of 2P, see load_balance.py)
 so every rank does the same causal work.
+
+A sliding window (the kernels' ``window``) skips the kernel of every chunk pair outside it; on the
+contiguous ring it also shortens the ring to the blocks the window reaches (``ring_steps``): fewer
+steps, fewer K/V hops, and the dK/dV accumulators go straight home from the last one.
 """
 from dataclasses import dataclass
 
@@ -30,6 +34,9 @@ from hyper_parallel.core.context_parallel.masks.masked_attention import empty_re
 from hyper_parallel.core.dtensor.ops.attention import expand_heads as _expand_heads
 from hyper_parallel.core.dtensor.ops.attention import fold_heads as _fold_heads
 from hyper_parallel.core.dtensor.ops.attention import merge_blocks as _merge
+from hyper_parallel.core.dtensor.ops.attention_band import band_mask, relation
+from hyper_parallel.core.dtensor.ops.attention_lse import clear_empty_rows, fold_sinks, sinks_grad
+from hyper_parallel.core.dtensor.ops.attention_lse import merge as merge_lse
 from hyper_parallel.platform import get_platform
 
 SEQ, HEADS = -2, -3  # kernels see (batch, heads, seq, dim); the log-sum-exp is (batch, heads, seq)
@@ -61,35 +68,44 @@ class RingLayout:
 
 class CausalBlocks:
     """The unmasked block kernel: a key chunk after the query chunk is skipped under ``causal``, the
-    same chunk runs the kernel's causal mask, an earlier one runs unmasked."""
-    merge = staticmethod(_merge)
+    same chunk runs the kernel's causal mask, an earlier one runs unmasked. With a sliding
+    ``window`` a chunk wholly outside it is skipped too, and one it cuts runs a positional mask
+    (attention_band.py); ``softcap`` goes to the block kernel."""
     empty = staticmethod(empty_result)   # never needed: every query chunk sees its own chunk
     repeats_kv = True                    # GQA: the whole K/V block is repeated to the query heads
 
-    def __init__(self, causal, scale):
-        self.causal, self.scale = causal, scale
+    def __init__(self, causal, scale, softcap=None, window=None):
+        self.causal, self.scale, self.softcap, self.window = causal, scale, softcap, window
+        # a window can leave a row without keys in one chunk: the -inf-safe merge
+        self.merge = _merge if window is None else merge_lse
 
     def _relation(self, q_span, k_span):
-        if not self.causal or k_span.start < q_span.start:
-            return "full"
-        return "diag" if k_span.start == q_span.start else "skip"
+        return relation(q_span.start, q_span.length, k_span.start, k_span.length, self.causal, self.window)
+
+    def _mask(self, relation_, q, q_span, k_span):
+        if relation_ != "mask":
+            return None
+        return band_mask(q_span.start, q_span.length, k_span.start, k_span.length, self.causal, self.window,
+                         q.device)
 
     def forward(self, q, k, v, q_span, k_span):
-        relation = self._relation(q_span, k_span)
-        if relation == "skip":
+        kind = self._relation(q_span, k_span)
+        if kind == "skip":
             return None
-        groups = q.shape[HEADS] // k.shape[HEADS]
-        return get_platform().attention_block_forward(q, _expand_heads(k, groups), _expand_heads(v, groups),
-                                                      relation == "diag", self.scale)
+        groups, mask = q.shape[HEADS] // k.shape[HEADS], self._mask(kind, q, q_span, k_span)
+        k, v = _expand_heads(k, groups), _expand_heads(v, groups)
+        out, lse = get_platform().attention_block_forward(q, k, v, kind == "diag", self.scale, mask=mask,
+                                                          softcap=self.softcap)
+        return (out, lse) if mask is None else clear_empty_rows(out, lse, mask)
 
     def backward(self, grad_out, q, k, v, out, lse, q_span, k_span):
-        relation = self._relation(q_span, k_span)
-        if relation == "skip":
+        kind = self._relation(q_span, k_span)
+        if kind == "skip":
             return None
-        groups = q.shape[HEADS] // k.shape[HEADS]
+        groups, mask = q.shape[HEADS] // k.shape[HEADS], self._mask(kind, q, q_span, k_span)
         dq, dk, dv = get_platform().attention_block_backward(
-            grad_out, q, _expand_heads(k, groups), _expand_heads(v, groups), out, lse, relation == "diag",
-            self.scale)
+            grad_out, q, _expand_heads(k, groups), _expand_heads(v, groups), out, lse, kind == "diag",
+            self.scale, mask=mask, softcap=self.softcap)
         return dq, _fold_heads(dk, groups), _fold_heads(dv, groups)
 
 
@@ -102,6 +118,7 @@ class QueryHeadChunks:
 
     def __init__(self, inner, heads):
         self.inner, self.merge, self.empty = inner, inner.merge, inner.empty
+        self.causal, self.window = getattr(inner, "causal", False), getattr(inner, "window", None)
         size = -(-heads // HEAD_GROUPS)
         self.ranges = [(start, min(size, heads - start)) for start in range(0, heads, size)]
 
@@ -142,10 +159,24 @@ class _Ring:
         me, n = layout.index, layout.size
         self.next, self.prev = layout.ranks[(me + 1) % n], layout.ranks[(me - 1) % n]
 
-    def start(self, tensors):
-        platform = get_platform()
-        return platform.p2p_exchange([(t, self.next) for t in tensors], [(t, self.prev) for t in tensors],
-                                     async_op=True)
+    def start(self, tensors, distance=1):
+        """Send ``tensors`` ``distance`` ranks on, receive the same from ``distance`` ranks back."""
+        layout, platform = self.layout, get_platform()
+        to = layout.ranks[(layout.index + distance) % layout.size]
+        source = layout.ranks[(layout.index - distance) % layout.size]
+        return platform.p2p_exchange([(t, to) for t in tensors], [(t, source) for t in tensors], async_op=True)
+
+
+def ring_steps(layout, kernel, length):
+    """How many ring steps a call takes: every rank's block (P), or under a sliding window on the
+    contiguous ring only the blocks the window reaches — the own block and the ceil((w - 1) / L)
+    before it (L = ``length``, the local block) — so the hops past them are never sent. Every rank
+    takes the same number of steps (its exchanges pair up). Zigzag keeps P: a rank's two chunks
+    need the chunks of ranks far apart on the ring."""
+    window = getattr(kernel, "window", None)
+    if window is None or layout.zigzag or not getattr(kernel, "causal", False):
+        return layout.size
+    return min(layout.size, 1 + -(-(window - 1) // length))
 
 
 def _cat(pieces, dim, like):
@@ -189,8 +220,9 @@ def _ring_forward(layout, kernel, q, k, v):
     q_parts = q.chunk(len(mine), SEQ % q.ndim)
     acc = [None] * len(mine)
     kv = (k.contiguous(), v.contiguous())
-    for step in range(layout.size):
-        pending = ring.start(kv) if step < layout.size - 1 else None
+    steps = ring_steps(layout, kernel, length)
+    for step in range(steps):
+        pending = ring.start(kv) if step < steps - 1 else None
         visiting = layout.spans((layout.index - step) % layout.size, length)
         k_parts, v_parts = (t.chunk(len(visiting), SEQ % t.ndim) for t in kv)
         for i, q_span in enumerate(mine):
@@ -208,9 +240,12 @@ def _ring_forward(layout, kernel, q, k, v):
     return _cat([a[0] for a in acc], SEQ, q).to(q.dtype), _cat([a[1] for a in acc], -1, acc[0][1])
 
 
-def _forward(ctx, q, k, v, layout, kernel):
+def _forward(ctx, q, k, v, sinks, layout, kernel):
     out, lse = _per_head_group(q, k, (q, k, v), lambda *t: _ring_forward(layout, kernel, *t))
-    ctx.save_for_backward(q, k, v, out, lse)
+    if sinks is not None:   # the sink logits join the merged denominator once, after every block
+        out, lse = fold_sinks(out, lse, sinks)
+        out = out.to(q.dtype)
+    ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))
     ctx.layout, ctx.kernel = layout, kernel
     return out
 
@@ -242,7 +277,8 @@ def _held_block_grads(kernel, parts, visiting, kv):
 def _ring_backward(layout, kernel, q, k, v, out, lse, grad_out):
     """Step s: start the K/V hop, compute the held block's gradients, then take the dK/dV
     accumulator that the previous rank sent at the end of its step s-1 (its hop overlapped this
-    step's compute), add, and send the sum on without waiting; the last hop lands home."""
+    step's compute), add, and send the sum on without waiting; the last hop lands home (with fewer
+    steps than ranks, ``ring_steps``, it goes straight home: steps - 1 ranks back)."""
     ring, length = _Ring(layout), q.shape[SEQ]
     mine = layout.spans(layout.index, length)
     n = len(mine)
@@ -252,8 +288,9 @@ def _ring_backward(layout, kernel, q, k, v, out, lse, grad_out):
     dq = [None] * n
     kv = (k.contiguous(), v.contiguous())
     own = hop = None
-    for step in range(layout.size):
-        pending = ring.start(kv) if step < layout.size - 1 else None
+    steps = ring_steps(layout, kernel, length)
+    for step in range(steps):
+        pending = ring.start(kv) if step < steps - 1 else None
         visiting = layout.spans((layout.index - step) % layout.size, length)
         dq_step, dk, dv = _held_block_grads(kernel, parts, visiting, kv)
         # release the block just used (and its views) before anything else is allocated
@@ -271,7 +308,8 @@ def _ring_backward(layout, kernel, q, k, v, out, lse, grad_out):
             # the wire carries the input dtype: the accumulator's own dtype for float32/64 (exact), the
             # half dtype the gradient is returned in otherwise (one rounding per hop: see
             # docs/ring_attention.md, "Precision of the dK/dV hops")
-            hop = ring.start((dk.to(k.dtype), dv.to(v.dtype)))
+            home = 1 if step < steps - 1 else 1 - steps   # the last send: to the block's own rank
+            hop = ring.start((dk.to(k.dtype), dv.to(v.dtype)), home)
         dk = dv = None
         if pending is not None:
             kv = tuple(pending.wait())
@@ -286,28 +324,28 @@ def _ring_backward(layout, kernel, q, k, v, out, lse, grad_out):
 
 
 def _backward(ctx, grad_out):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, *sinks = ctx.saved_tensors
     grads = _per_head_group(q, k, (q, k, v, out, lse, grad_out),
                             lambda *t: _ring_backward(ctx.layout, ctx.kernel, *t))
-    return tuple(grads) + (None, None)
-
-
+    dsinks = sinks_grad(grad_out, out, lse, sinks[0]) if sinks else None
+    return tuple(grads) + (dsinks, None, None)
 
 
 _RING_ATTENTION = lazy_autograd_function("RingAttention", _forward, _backward)
 
 
-def run_ring(q, k, v, layout, kernel):
+def run_ring(q, k, v, layout, kernel, sinks=None):
     """Differentiable ring attention of this rank's (batch, heads, seq, dim) blocks with ``kernel``
-    on each (query chunk, key chunk) pair."""
+    on each (query chunk, key chunk) pair; ``sinks``: one logit per query head held here, or None."""
     if q.shape[HEADS] % k.shape[HEADS]:
         raise ValueError(f"ring attention: {q.shape[HEADS]} query heads are not a multiple of "
                          f"{k.shape[HEADS]} key/value heads")
-    return _RING_ATTENTION(q, k, v, layout, _shared_kv(kernel, q, k))
+    return _RING_ATTENTION(q, k, v, sinks, layout, _shared_kv(kernel, q, k))
 
 
-def ring_attention(q, k, v, layout, causal=False, scale=None):
+def ring_attention(q, k, v, layout, causal=False, scale=None, softcap=None, window=None, sinks=None):
     """Attention of local queries against the K/V blocks of every rank in ``layout``'s ring.
 
-    q, k, v: this rank's (batch, heads, seq, dim) blocks (k/v may have fewer heads: GQA)."""
-    return run_ring(q, k, v, layout, CausalBlocks(causal, scale))
+    q, k, v: this rank's (batch, heads, seq, dim) blocks (k/v may have fewer heads: GQA). softcap,
+    window, sinks: as ``hyper_parallel.attention``'s (the sinks of this rank's query heads)."""
+    return run_ring(q, k, v, layout, CausalBlocks(causal, scale, softcap, window), sinks)

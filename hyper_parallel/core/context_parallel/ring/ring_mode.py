@@ -3,7 +3,8 @@ over the remaining sequence dim instead of all-gathering K/V.
 
 The user's module is called with q, k, v as DTensors, as in every mode; a dispatch interceptor
 (core/dtensor/interceptors.py) follows them through the module's relayouts (transpose, view...)
-and, at ``F.scaled_dot_product_attention``, runs the ring kernel on their local blocks instead of
+and, at ``F.scaled_dot_product_attention`` or ``hyper_parallel.attention`` (soft-capping, sinks, a
+window: the ring's block kernels take them), runs the ring kernel on their local blocks instead of
 the attention rule. Attention code that consumes them otherwise is refused: it cannot be ringed."""
 from hyper_parallel.core.context_parallel.movement import to_mode
 from hyper_parallel.core.context_parallel.load_balance import merge_head_tail, split_head_tail
@@ -64,14 +65,10 @@ def _ring_kernel(layout, masks):
     """kernel(q, k, v, variant, sinks): the plain ring, or the masked ring under ``attention_masks``."""
     def kernel(q, k, v, variant, sinks):
         if masks is None:
-            return ring_attention(q, k, v, layout, variant.causal, variant.scale, variant.softcap, variant.window,
-                                  sinks)
-        if variant.window is not None:
-            raise ValueError(f"ContextParallel(kv_exchange='ring') with attention_masks: window={variant.window} "
-                             f"is not implemented together with padding / document masks; use the window "
-                             f"without attention_masks")
+            return ring_attention(q, k, v, layout, variant.causal, variant.scale, variant.softcap,
+                                  variant.window, sinks)
         return masked_ring_attention(q, k, v, layout, masks, variant.causal, variant.scale, variant.softcap,
-                                     sinks)
+                                     sinks, variant.window)
     return kernel
 
 
