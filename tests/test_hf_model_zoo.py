@@ -1,9 +1,9 @@
 """parallelize_model across Hugging Face families: each trains equal to one process under context
 parallelism (two AdamW steps: per-step loss, every weight) or is refused with a ValueError on every
-rank before any step — never a different model in silence. Families whose attention variant or
-sequence mixing is not split yet (soft-capping, sinks, linear attention, DSA) must be refused; a
-convolution over the sequence that nobody listed is found by measurement, and a kernel-1 one (token-
-local) is not refused."""
+rank before any step — never a different model in silence. Gemma 2's soft-capping, gpt-oss's sinks
+and sliding windows shorter than the sequence train exactly in every mode; families whose sequence
+mixing is not split yet (linear attention, DSA) must be refused; a convolution over the sequence
+that nobody listed is found by measurement, and a kernel-1 one (token-local) is not refused."""
 import pytest
 
 from tests.harness import run_dist
@@ -40,8 +40,7 @@ def _refused(rank, world_size):
     from tests.hf_zoo import tiny
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
-    expected = {
-        "gemma2": "softcap=50.0", "gpt_oss": "s_aux=",   # linear attention: tests/test_cp_linear_attention_hf.py
+    expected = {   # linear attention trains exactly: tests/test_cp_linear_attention_hf.py
         "deepseek_v32": "does not run with context-parallel attention",
     }
     for family, match in expected.items():
@@ -55,23 +54,6 @@ def _refused(rank, world_size):
 
 def test_unsplittable_families_are_refused_on_every_rank():
     assert run_dist(2, _refused) == [True] * 2
-
-
-def _window(rank, world_size):
-    import torch
-    from hyper_parallel import init_device_mesh
-    from hyper_parallel.integrations.transformers import parallelize_model
-    from tests.hf_zoo import VOCAB, tiny
-
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
-    model = parallelize_model(tiny("mistral", sliding_window=8), mesh)
-    with pytest.raises(ValueError, match="sliding_window=8"):
-        model(input_ids=torch.randint(0, VOCAB, (B, S // world_size)))
-    return True
-
-
-def test_sliding_window_shorter_than_sequence_is_refused():
-    assert run_dist(2, _window) == [True] * 2
 
 
 def _train(model, batches, cp_mesh=None):
@@ -108,9 +90,30 @@ def _batches():
     return out
 
 
+GEMMA2_CAPPED = {"attn_logit_softcapping": 0.5, "initializer_range": 1.0}
+GPT_OSS_SINKS = {"initializer_range": 0.3}
+
+
+def test_variants_change_the_model():
+    """The zoo's soft-capping and sinks change the tiny models' outputs (else exactness proves nothing)."""
+    import torch
+    from tests.hf_zoo import tiny
+    ids = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(1))
+    capped = tiny("gemma2", **GEMMA2_CAPPED)(input_ids=ids).logits
+    uncapped = tiny("gemma2", **dict(GEMMA2_CAPPED, attn_logit_softcapping=None))(input_ids=ids).logits
+    assert (capped - uncapped).abs().max() > 1e-2
+    model = tiny("gpt_oss", **GPT_OSS_SINKS)
+    with_sinks = model(input_ids=ids).logits
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)   # e^-1e4 = 0: no sink
+    assert (with_sinks - model(input_ids=ids).logits).abs().max() > 1e-3
+
+
 MODES = {"ulysses": {}, "allgather": {"ulysses_degree": 1},
          "allgather-lb": {"ulysses_degree": 1, "load_balance": True},
-         "ring": {"ulysses_degree": 1, "kv_exchange": "ring"}}
+         "ring": {"ulysses_degree": 1, "kv_exchange": "ring"},
+         "zigzag": {"ulysses_degree": 1, "kv_exchange": "ring", "load_balance": True}}
 
 
 def _exact(rank, world_size, family, overrides, modes):
@@ -140,7 +143,15 @@ def _exact(rank, world_size, family, overrides, modes):
     ("qwen3", {}, ["allgather-lb"]),
     ("mistral", {"sliding_window": S}, ["ulysses", "allgather"]),
     ("gemma3", {"sliding_window": S}, ["ulysses", "allgather-lb"]),
+    # windows shorter than the sequence (16) and than a rank's block (8) / a zigzag chunk (4)
+    ("mistral", {"sliding_window": 6}, ["ulysses", "allgather", "allgather-lb", "ring", "zigzag"]),
+    ("gemma3", {"sliding_window": 3}, ["ulysses", "allgather-lb", "ring", "zigzag"]),
+    ("gemma2", dict(GEMMA2_CAPPED, sliding_window=5), ["allgather", "zigzag"]),
+    ("gpt_oss", dict(GPT_OSS_SINKS, sliding_window=4), ["ulysses", "ring"]),
     ("gemma2", {"attn_logit_softcapping": None}, ["allgather"]),
+    # weights large enough for a cap of 0.5 to change the scores (test_variants_change_the_model)
+    ("gemma2", GEMMA2_CAPPED, ["ulysses", "allgather", "allgather-lb", "ring"]),
+    ("gpt_oss", GPT_OSS_SINKS, ["ulysses", "allgather", "allgather-lb", "ring"]),
     ("phi3", {}, ["ulysses", "allgather"]),
     ("gpt_neox", {}, ["ulysses", "ring"]),
     ("gpt2", {}, ["allgather"]),

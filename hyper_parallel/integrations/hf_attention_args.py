@@ -9,8 +9,10 @@ here, known to carry no attention semantics, or a ValueError naming it. A keywor
 ``None`` / ``False`` asks for nothing and passes.
 """
 
-# used by the CP attention function itself (hf_context_parallel.CPAttention)
-HANDLED = frozenset({"dropout", "scaling", "is_causal", "position_ids", "sliding_window"})
+# used by the CP attention function itself (hf_context_parallel.CPAttention); softcap and the sinks
+# (gpt-oss's s_aux) go to hyper_parallel.attention through ``attention_variant``
+HANDLED = frozenset({"dropout", "scaling", "is_causal", "position_ids", "sliding_window", "softcap", "s_aux",
+                     "sinks"})
 
 # per-layer plumbing that does not change the attention's value
 PLUMBING = frozenset({
@@ -20,9 +22,6 @@ PLUMBING = frozenset({
 
 # what each refused variant is, for the error message
 _VARIANTS = {
-    "softcap": "logit soft-capping (Gemma 2's attn_logit_softcapping)",
-    "s_aux": "attention sinks (gpt-oss's learned per-head sink logits)",
-    "sinks": "attention sinks",
     "head_mask": "a head mask",
     "score_mod": "a score modification",
     "block_mask": "a flex-attention block mask",
@@ -46,10 +45,16 @@ def check_attention_kwargs(module, kwargs):
                          f"without it")
 
 
-def check_sliding_window(module, window, total):
-    """A window of ``w`` keys changes the attention only when the sequence is longer than ``w``."""
-    if window is not None and total > int(window):
-        raise ValueError(f"parallelize_model: {type(module).__name__} uses sliding-window attention "
-                         f"(sliding_window={window}) on a sequence of {total} tokens; context parallelism "
-                         f"does not implement a window shorter than the sequence yet. Train with sequences "
-                         f"of at most {window} tokens or without context parallelism")
+def attention_variant(module, kwargs, total):
+    """(softcap, sinks, window) for ``hyper_parallel.attention`` from the keywords HF passes: Gemma 2's
+    ``softcap``, gpt-oss's ``s_aux`` (or ``sinks``) per-head logits, and ``sliding_window`` = w (query
+    i sees keys i - w < j <= i, transformers' sliding_window_causal mask). A window at least as long
+    as the whole sequence of ``total`` tokens changes nothing and is left out (plain sdpa runs)."""
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and kwargs.get("sinks") is not None:
+        raise ValueError(f"parallelize_model: {type(module).__name__} passes both s_aux and sinks; pass one")
+    sinks = kwargs.get("sinks") if sinks is None else sinks
+    window = kwargs.get("sliding_window")
+    if window is not None and int(window) >= total:
+        window = None
+    return kwargs.get("softcap"), sinks, None if window is None else int(window)

@@ -21,9 +21,11 @@ They reproduce transformers' sdpa path on one device:
 - else none: ``is_causal``.
 
 Missing ``position_ids`` are filled with the block's global positions (transformers would count
-from 0 on every rank). Unsupported inputs raise ``ValueError``: 4-D masks, KV caches, a sliding
-window shorter than the sequence, attention keywords it does not implement (hf_attention_args.py),
-and attention dropout together with a padding mask or packing (the masked kernels take no dropout).
+from 0 on every rank). Gemma 2's ``softcap`` and gpt-oss's ``s_aux`` sinks go to
+``hyper_parallel.attention`` in every mode, and so does a ``sliding_window`` shorter than the whole
+sequence (hf_attention_args.py). Unsupported inputs raise ``ValueError``: 4-D masks, KV caches,
+attention keywords it does not implement (hf_attention_args.py), and attention dropout together
+with a padding mask, packing, soft-capping, sinks or a window (those kernels take no dropout).
 Before any of this, the model is audited for modules that mix the sequence outside attention
 (hf_sequence_audit.py), and every forward starts with one fixed-size exchange of each rank's input
 shapes, so ranks that disagree all raise before the gathers whose sizes depend on them.
@@ -37,7 +39,8 @@ import torch.nn.functional as F
 
 from hyper_parallel.core.context_parallel import ContextParallel, start_attention
 from hyper_parallel.core.context_parallel.masks.attention_masks import attention_masks
-from hyper_parallel.integrations.hf_attention_args import check_attention_kwargs, check_sliding_window
+from hyper_parallel.core.context_parallel import attention as hp_attention
+from hyper_parallel.integrations.hf_attention_args import attention_variant, check_attention_kwargs
 from hyper_parallel.integrations.hf_overlap import pipeline_attention_blocks
 from hyper_parallel.integrations.hf_sequence_audit import refuse_sequence_mixing
 from hyper_parallel.platform import get_platform
@@ -47,9 +50,16 @@ _names = itertools.count()
 
 class _CoreAttention(torch.nn.Module):
     """BNSD q/k/v in, BSHD out (the layout HF attention functions return). No mask argument: padding
-    and documents arrive through ``attention_masks``, which the CP modes apply at this sdpa call."""
+    and documents arrive through ``attention_masks``, which the CP modes apply at this attention call.
+    Soft-capping, sinks and a window go through ``hyper_parallel.attention`` (sdpa has no argument
+    for them); without them, plain sdpa."""
 
-    def forward(self, q, k, v, scale=None, dropout=0.0, causal=True, gqa=False):
+    def forward(self, q, k, v, scale=None, dropout=0.0, causal=True, gqa=False, softcap=None, sinks=None,
+                window=None):
+        if softcap is not None or sinks is not None or window is not None:
+            out = hp_attention(q, k, v, is_causal=causal, scale=scale, softcap=softcap, sinks=sinks,
+                               window=window)
+            return out.transpose(1, 2)
         extra = {"enable_gqa": True} if gqa else {}
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, scale=scale,
                                              **extra)
@@ -122,15 +132,16 @@ class CPAttention:
                              "context parallelism pass the 2-D padding attention_mask (this rank's block) "
                              "instead")
         check_attention_kwargs(module, kwargs)
-        check_sliding_window(module, kwargs.get("sliding_window"), query.shape[2] * self.mesh.size())
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
         gqa = query.shape[1] != key.shape[1]
-        if masks is not None and dropout:
-            raise ValueError(f"parallelize_model: attention dropout {dropout} with a padding mask or packed "
-                             f"position_ids under context parallelism is not supported (the masked kernels "
-                             f"take none); set the config's attention_dropout=0 or call model.eval()")
-        return query, key, value, scaling, dropout, causal, gqa
+        variant = attention_variant(module, kwargs, query.shape[2] * self.mesh.size())
+        if (masks is not None or any(x is not None for x in variant)) and dropout:
+            raise ValueError(f"parallelize_model: attention dropout {dropout} with a padding mask, packed "
+                             f"position_ids, soft-capping, sinks or a sliding window under context "
+                             f"parallelism is not supported (those kernels take none); set the config's "
+                             f"attention_dropout=0 or call model.eval()")
+        return (query, key, value, scaling, dropout, causal, gqa) + variant
 
     # ------------------------------------------------------------------ once per forward
     def audit(self):
