@@ -93,3 +93,49 @@ GRADCHECK = [(kind, mode) for kind in ("gdn", "kda") for mode in ("allgather", "
 @pytest.mark.parametrize("world_size", [2, 4], ids=["cp2", "cp4"])
 def test_delta_rule_gradcheck(world_size):
     assert run_dist(world_size, _gradcheck, GRADCHECK, timeout=300) == [len(GRADCHECK)] * world_size
+
+
+def _style(rank, world_size):
+    """LinearAttentionContextParallel on a user's KDA-style layer (per-channel decay, p2p): this rank's
+    output block, input gradient and the parameter gradients summed over the ranks equal one device."""
+    import torch
+    import torch.nn.functional as F
+    from hyper_parallel import get_platform, init_device_mesh, parallelize_module, shard_sequence
+    from hyper_parallel.core.context_parallel.linear_attention import (LinearAttentionContextParallel,
+                                                                       causal_conv1d, delta_rule)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.gate = torch.nn.Linear(8, 24), torch.nn.Linear(8, 10)
+            self.conv = torch.nn.Parameter(torch.randn(24, 3))
+
+        def forward(self, x):
+            q, k, v = F.silu(causal_conv1d(self.qkv(x).transpose(1, 2), self.conv)).transpose(1, 2).chunk(3, -1)
+            g, beta = self.gate(x).split([8, 2], dim=-1)
+            q, k, v = (t.unflatten(-1, (2, 4)) for t in (q, k, v))
+            return delta_rule(q, k, v, F.logsigmoid(g).unflatten(-1, (2, 4)), beta.sigmoid(), chunk_size=4)
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    with pytest.raises(ValueError, match="mode='ring'"):
+        LinearAttentionContextParallel(mode="ring")
+    torch.manual_seed(0)
+    layer = Layer()
+    x = torch.randn(2, 6 * world_size, 8, requires_grad=True)
+    expected = layer(x)
+    expected.pow(2).sum().backward()
+    ref_grads = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    parallelize_module(layer, mesh, LinearAttentionContextParallel(mode="p2p"))
+    block = shard_sequence(x.detach(), mesh).requires_grad_()
+    out = layer(block)
+    torch.testing.assert_close(out, shard_sequence(expected.detach(), mesh), **TOL)
+    out.pow(2).sum().backward()
+    torch.testing.assert_close(block.grad, shard_sequence(x.grad, mesh), **TOL)
+    for p, ref in zip(layer.parameters(), ref_grads):
+        torch.testing.assert_close(get_platform().all_reduce(p.grad, mesh.get_group()), ref, **TOL)
+    return True
+
+
+def test_style_on_a_users_layer():
+    assert run_dist(2, _style) == [True] * 2
