@@ -2,8 +2,9 @@
 
 A short calibration runs on the CP mesh the first time ``mode="auto"`` meets it: all-reduces of a
 few bytes (latency) and of a few MB (bandwidth) within the groups the hybrid's Ulysses part would
-use ("ds": adjacent ranks) and its gather part ("co": strided ranks), and a small attention for the
-compute rate. Every rank then takes the slowest rank's value (one all-reduce), so every rank ranks
+use ("ds": adjacent ranks) and its gather part ("co": strided ranks), a small attention for the
+compute rate, and each mode once on a tiny input: what a call costs beyond its compute and bytes
+(kernel launches, the ring's steps, the framework's own work) — at short sequences that decides. Every rank then takes the slowest rank's value (one all-reduce), so every rank ranks
 the candidates alike and makes the same choice. ``python -m benchmarks.cp_attention --calibrate
 PATH`` writes the same numbers to a JSON file that ``ContextParallel(mode="auto", calibration=PATH)``
 (or ``HP_CP_CALIBRATION=PATH``) reads instead of measuring.
@@ -27,6 +28,11 @@ class Machine:
     ds_latency: float            # seconds per collective, adjacent ranks
     co_bandwidth: float          # strided ranks
     co_latency: float
+    overheads: tuple = ()        # (mode family, seconds of a forward + backward of a tiny call)
+
+    def overhead(self, family):
+        found = dict(self.overheads)
+        return found.get(family, max(found.values()) if found else 0.0)
 
     def bandwidth(self, dim):
         return self.ds_bandwidth if dim == "ds" else self.co_bandwidth
@@ -35,28 +41,33 @@ class Machine:
         return self.ds_latency if dim == "ds" else self.co_latency
 
     def save(self, path):
+        values = asdict(self)
+        values["overheads"] = dict(self.overheads)
         with open(path, "w") as f:
-            json.dump(asdict(self), f, indent=1)
+            json.dump(values, f, indent=1)
 
     @classmethod
     def load(cls, path):
         with open(path) as f:
             values = json.load(f)
-        missing = [k for k in cls.__dataclass_fields__ if k not in values]
+        numbers = [k for k in cls.__dataclass_fields__ if k != "overheads"]
+        missing = [k for k in numbers if k not in values]
         if missing:
             raise ValueError(f"calibration file {path} lacks {missing}; write it with python -m "
                              f"benchmarks.cp_attention --calibrate {path}")
-        return cls(**{k: float(values[k]) for k in cls.__dataclass_fields__})
+        overheads = tuple(sorted((str(k), float(v)) for k, v in values.get("overheads", {}).items()))
+        return cls(**{k: float(values[k]) for k in numbers}, overheads=overheads)
 
 
-def machine_for(mesh, path=None):
-    """The calibration of ``mesh``: from ``path`` / $HP_CP_CALIBRATION, else measured once."""
+def machine_for(mesh, path=None, make_style=None):
+    """The calibration of ``mesh``: from ``path`` / $HP_CP_CALIBRATION, else measured once
+    (``make_style(**mode_kwargs)``: a fixed-mode ContextParallel, for the modes' overheads)."""
     path = path or os.environ.get(ENV)
     if path:
         return Machine.load(path)
     key = mesh.to_hash()
     if key not in _MEASURED:
-        _MEASURED[key] = measure(mesh)
+        _MEASURED[key] = measure(mesh, make_style=make_style)
     return _MEASURED[key]
 
 
@@ -71,8 +82,8 @@ def _seconds(run, repeats=3):
 def _group_timing(platform, group, nbytes):
     small = platform.zeros((1,), dtype=platform.float32())
     large = platform.zeros((max(nbytes // 4, 1),), dtype=platform.float32())
-    latency = _seconds(lambda: platform.all_reduce(small, group))
-    full = _seconds(lambda: platform.all_reduce(large, group))
+    latency = _seconds(lambda: platform.all_reduce(small, group, tag="calibration"))
+    full = _seconds(lambda: platform.all_reduce(large, group, tag="calibration"))
     return latency, max(full - latency, 1e-9)
 
 
@@ -87,9 +98,10 @@ def _groups(mesh):
     return sub.get_group("ds"), sub.get_group("co")
 
 
-def measure(mesh, nbytes=1 << 22):
+def measure(mesh, nbytes=1 << 22, make_style=None):
     """Measure on every rank, then take the slowest rank's numbers everywhere (one all-reduce)."""
     platform = get_platform()
+    families = _families(mesh.size()) if make_style is not None else []
     ds, co = _groups(mesh)
     values = [1.0, 0.0, 0.0, 0.0, 0.0]   # seconds per GFLOP, then per-byte and latency per group
     values[0] = _kernel_seconds_per_flop(platform)
@@ -98,13 +110,49 @@ def measure(mesh, nbytes=1 << 22):
             latency, full = _group_timing(platform, group, nbytes)
             # an all-reduce moves about 2·(n−1)/n of the buffer per rank: 1 for a pair
             values[1 + 2 * i], values[2 + 2 * i] = full / nbytes, latency
-    slowest = platform.all_reduce(platform.tensor(values, dtype=platform.float32()), mesh.get_group(0), "max")
+    values += [_mode_seconds(make_style(**kwargs), mesh) for _, kwargs in families]
+    slowest = platform.all_reduce(platform.tensor(values, dtype=platform.float32()), mesh.get_group(0), "max",
+                                   tag="calibration")
     v = [float(x) for x in slowest.tolist()]
     return Machine(flops=1.0 / v[0], ds_bandwidth=1.0 / max(v[1], 1e-15), ds_latency=v[2],
-                   co_bandwidth=1.0 / max(v[3], 1e-15), co_latency=v[4])
+                   co_bandwidth=1.0 / max(v[3], 1e-15), co_latency=v[4],
+                   overheads=tuple((name, seconds) for (name, _), seconds in zip(families, v[5:])))
 
 
 def _kernel_seconds_per_flop(platform, size=256, dim=64):
     q = platform.zeros((1, 4, size, dim), dtype=platform.float32())
     seconds = _seconds(lambda: platform.sdpa(q, q, q, is_causal=False))
     return seconds / (4 * 4 * size * size * dim)
+
+
+def _families(cp):
+    """(family, fixed-mode keywords) of the modes a ``cp``-rank mesh can run on the tiny input."""
+    out = [("ulysses", {}), ("allgather", {"ulysses_degree": 1}),
+           ("allgather-lb", {"ulysses_degree": 1, "load_balance": True}),
+           ("ring", {"ulysses_degree": 1, "kv_exchange": "ring"}),
+           ("ring-zigzag", {"ulysses_degree": 1, "kv_exchange": "ring", "load_balance": True})]
+    if cp >= 4 and cp % 2 == 0:
+        out += [("hybrid", {"ulysses_degree": 2}), ("hybrid-ring", {"ulysses_degree": 2, "kv_exchange": "ring"})]
+    return out if cp > 1 else out[:1]
+
+
+class _TinyAttention:
+    """Causal attention on BNSD blocks: the calibration's stand-in for the user's module."""
+
+    def forward(self, q, k, v):
+        return get_platform().sdpa(q, k, v, is_causal=True)
+
+    def __call__(self, q, k, v):
+        return self.forward(q, k, v)
+
+
+def _mode_seconds(style, mesh):
+    """A forward of ``style`` on a tiny input, ×3 for forward + backward (backward costs about twice
+    a forward): what the mode costs beyond compute and bytes, which are near zero here."""
+    platform = get_platform()
+    cp = mesh.size()
+    module = _TinyAttention()
+    style.seq_dim, style.head_dim = 2, 1
+    style.apply(module, mesh)
+    q = platform.zeros((1, cp, 4, 8), dtype=platform.float32())
+    return 3 * _seconds(lambda: module(q, q, q))

@@ -79,7 +79,7 @@ class AutoMode:
     def _choose(self, mesh, qkv):
         style = self.style
         shape = call_shape(style, qkv, mesh.size(), style.causal)
-        machine = machine_for(mesh, style.calibration)
+        machine = machine_for(mesh, style.calibration, style.fixed)
         predicted, held, over = {}, {}, []
         options = {}
         for candidate in candidates(shape, mesh.size()):

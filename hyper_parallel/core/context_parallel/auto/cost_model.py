@@ -10,6 +10,8 @@ time = compute + communication, per rank, on the slowest rank:
   the same, the ring's twice) over the calibrated bandwidth of the mesh dim they use, plus one
   latency per collective step (the ring: P−1 hops each way); the ring overlaps its hops with block
   compute, so it pays max(compute, communication) rather than the sum;
+- overhead: what one call of the mode costs beyond that (kernel launches, the ring's steps, the
+  framework's own work), calibrated on a tiny input — at short sequences it decides;
 - memory: the k/v a rank holds (all-gather KV: the whole sequence of k and v; Ulysses: all tokens of
   its heads; ring: two blocks), refused above ``memory_budget``.
 Candidates that cannot run are never offered: q heads the Ulysses degree does not divide, an odd
@@ -106,7 +108,12 @@ def predict(shape, cp, candidate, machine):
         seconds = u_time + max(compute, g_time)
     else:
         seconds = compute + u_time + g_time
-    return seconds, _held_bytes(shape, cp, candidate)
+    return seconds + machine.overhead(family(candidate)), _held_bytes(shape, cp, candidate)
+
+
+def family(candidate):
+    """The candidate's name without its Ulysses degree (the calibration times one per family)."""
+    return candidate.name.split("(")[0]
 
 
 def _held_bytes(shape, cp, candidate):

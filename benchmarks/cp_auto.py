@@ -1,0 +1,98 @@
+"""``mode="auto"`` in the CP benchmark: the ``auto`` row, ``--calibrate PATH`` and ``--auto-sweep``.
+
+``auto`` runs ``ContextParallel(mode="auto")``; its row is named after the mode it chose, and its
+closed-form bytes and causal work are that mode's. ``--auto-sweep`` runs, for every configuration of
+``--sweep-heads`` × (kv heads 1 and = heads) × ``--sweep-seqs`` × causal / not, each fixed mode and
+``auto``, and prints per configuration the choice, the best fixed mode's time and auto's ratio to it,
+then how often auto was within 1.10× of the best and whether it was ever the slowest.
+"""
+import copy
+import sys
+
+from benchmarks.cp_modes import MODES, SEQ, HEAD, Mode
+
+FIXED = ("ulysses", "allgather", "allgather-lb", "hybrid", "ring", "ring-zigzag", "hybrid-ring")
+
+
+class AutoMode(Mode):
+    def __init__(self):
+        super().__init__("auto", None, False, False)
+        self.style = None
+
+    def supported(self, cfg, world, fw):
+        return None
+
+    def build(self, cfg, mesh, fw):
+        from hyper_parallel import ContextParallel
+        module = fw.attention(cfg.causal, cfg.kv_heads != cfg.heads)
+        self.style = ContextParallel(seq_dim=SEQ, head_dim=HEAD, mode="auto", causal=cfg.causal)
+        self.style.apply(module, mesh)
+        return module
+
+    def chosen(self, world):
+        """The fixed benchmark mode equal to auto's last choice."""
+        kw = self.style.last_choice.kwargs
+        ds, ring, lb = kw["ulysses_degree"], kw["kv_exchange"] == "ring", kw["load_balance"]
+        if ds == world:
+            name = "ulysses"
+        elif ds == 1:
+            name = ("ring" if ring else "allgather") + ("-zigzag" if ring and lb else "-lb" if lb else "")
+        else:
+            return Mode("hybrid-ring" if ring else "hybrid", ds, False, False, kw["kv_exchange"])
+        return next(m for m in MODES if m.name == name)
+
+    def formula_elements(self, cfg, world):
+        return self.chosen(world).formula_elements(cfg, world)
+
+    def causal_work(self, cfg, world, rank):
+        return self.chosen(world).causal_work(cfg, world, rank)
+
+
+def calibrate(path, mesh, lead):
+    from hyper_parallel.core.context_parallel.auto.calibration import measure
+    machine = measure(mesh)
+    if lead:
+        machine.save(path)
+        print(f"calibration of {mesh.size()} ranks written to {path}: {machine}", flush=True)
+    return 0
+
+
+def _configs(args):
+    heads = [int(h) for h in args.sweep_heads.split(",")]
+    seqs = [int(s) for s in args.sweep_seqs.split(",")]
+    for h in heads:
+        for kv in sorted({1, h}):
+            for s in seqs:
+                for causal in (True, False):
+                    yield {"heads": h, "kv_heads": kv, "seq": s, "causal": causal}
+
+
+def auto_sweep(args, make_bench, lead):
+    """Rows of the sweep (see the module docstring); prints as it goes on the lead rank."""
+    results = []
+    for config in _configs(args):
+        cfg = copy.copy(args)
+        for k, v in config.items():
+            setattr(cfg, k, v)
+        bench = make_bench(cfg)
+        bench.reference()
+        fixed = [bench.run(m) for m in MODES if m.name in FIXED]
+        times = {r["mode"]: r["fwd_bwd_ms"] for r in fixed if not r.get("skipped")}
+        auto = AutoMode()
+        row = bench.run(auto)
+        best = min(times, key=times.get)
+        result = dict(config, choice=auto.style.last_choice.mode, auto_ms=row["fwd_bwd_ms"], best=best,
+                      best_ms=times[best], ratio=row["fwd_bwd_ms"] / times[best],
+                      slowest=row["fwd_bwd_ms"] >= max(times.values()) and len(times) > 1)
+        results.append(result)
+        if lead:
+            print(f"H={config['heads']:>3} Hkv={config['kv_heads']:>3} S={config['seq']:>6} "
+                  f"{'causal' if config['causal'] else 'full  '} auto -> {result['choice']:<18} "
+                  f"{result['auto_ms']:9.2f} ms | best {best:<13} {result['best_ms']:9.2f} ms | "
+                  f"ratio {result['ratio']:.2f}", file=sys.stderr, flush=True)
+    if lead and results:
+        within = sum(r["ratio"] <= 1.10 for r in results)
+        print(f"auto within 1.10x of the best fixed mode: {within}/{len(results)} "
+              f"({100 * within / len(results):.0f} %); the slowest: {sum(r['slowest'] for r in results)} times",
+              flush=True)
+    return results
