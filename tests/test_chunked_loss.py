@@ -117,3 +117,15 @@ def _vocab_parallel_case(rank, world_size, vocab):
 @pytest.mark.parametrize("vocab", [50, 51])
 def test_vocab_parallel_weight_on_two_ranks(vocab):
     assert run_dist(2, _vocab_parallel_case, vocab) == [True, True]
+
+
+def test_add_rows_default_matches_torch():
+    """The contract's framework-neutral add_rows (a framework without index_add uses it) = torch's."""
+    from hyper_parallel import get_platform
+    from hyper_parallel.platform.long_sequence_contract import LongSequenceContract
+    g = torch.Generator().manual_seed(0)
+    index = torch.randint(0, 7, (2500,), generator=g)      # repeats, and more than one block of rows
+    source = torch.randn(2500, 3, generator=g)
+    want = get_platform().add_rows(torch.zeros(7, 3), index, source)
+    torch.testing.assert_close(LongSequenceContract.add_rows(get_platform(), torch.zeros(7, 3), index, source),
+                               want, **TOL)

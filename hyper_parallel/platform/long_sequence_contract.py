@@ -3,13 +3,23 @@ recomputation for ``tiled_mlp`` and saved-tensor hooks plus host copies for ``of
 
 The defaults are those of a framework without the concept; torch implements them
 (platform/torch/long_sequence.py). MindSpore leaves them unimplemented for now (each raises
-``NotImplementedError`` naming the feature): chunked_cross_entropy needs none of them.
+``NotImplementedError`` naming the feature); chunked_cross_entropy needs only ``add_rows``, whose
+default here is plain tensor algebra.
 """
 from hyper_parallel.platform.training_contract import unavailable
 
 
 class LongSequenceContract:
     """Declared members of tiled_mlp and offload_activations."""
+
+    def add_rows(self, target, index, source):
+        """``target`` with ``source[i]`` added to row ``index[i]`` (repeats accumulate); may update in place."""
+        # one-hot products in blocks of rows: framework-neutral, O(block x rows of target) at a time
+        rows = self.arange(target.shape[0], device=target.device).unsqueeze(1)
+        for start in range(0, index.shape[0], 1024):
+            one_hot = (rows == index[start:start + 1024].unsqueeze(0)).to(source.dtype)
+            target = target + one_hot @ source[start:start + 1024]
+        return target
 
     def recompute(self, function, *args):
         """``function(*args)`` keeping only its inputs for backward, run again there (checkpointing)."""

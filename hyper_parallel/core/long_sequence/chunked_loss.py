@@ -61,10 +61,11 @@ def _tile_logits(hidden, weight, start, end, dtype):
     return (hidden[start:end] @ weight.transpose(0, 1)).to(dtype)
 
 
-def _not_target(labels, start, end, plan, vocab_local, device):
-    """(tile, local vocab) bool: True everywhere but at each row's target column on this rank."""
-    columns = get_platform().arange(vocab_local, device=device).unsqueeze(0)
-    return columns != (labels[start:end] - plan.vocab_start).unsqueeze(1)
+def _targets(labels, start, end, plan, vocab_local):
+    """(column of each row's target in this rank's vocab slice, clamped; 1.0 where this rank holds it)."""
+    local = labels[start:end] - plan.vocab_start
+    here = (local >= 0) & (local < vocab_local)
+    return local.clamp(0, vocab_local - 1), here
 
 
 def _forward(ctx, hidden, weight, labels, plan):
@@ -73,15 +74,16 @@ def _forward(ctx, hidden, weight, labels, plan):
     n, vocab_local = hidden.shape[0], weight.shape[0]
     lse_tiles, loss_tiles = [], []
     for start, end in _tiles(n, plan.chunk):
+        # one (tile x vocab) tensor, updated in place: the tile is the only big allocation
         logits = _tile_logits(hidden, weight, start, end, dtype)
         row_max = logits.max(dim=-1, keepdim=True)[0]
         if plan.group is not None:
             row_max = platform.all_reduce(row_max, plan.group, op="max")
-        shifted = logits - row_max
-        sum_exp = shifted.exp().sum(dim=-1, keepdim=True)
+        logits.sub_(row_max)
+        column, here = _targets(labels, start, end, plan, vocab_local)
         # the target's shifted logit, 0 on ranks that do not hold the target column
-        target = shifted.masked_fill(_not_target(labels, start, end, plan, vocab_local, hidden.device),
-                                     0.0).sum(dim=-1, keepdim=True)
+        target = logits.gather(dim=-1, index=column.unsqueeze(1)) * here.unsqueeze(1).to(dtype)
+        sum_exp = logits.exp_().sum(dim=-1, keepdim=True)
         if plan.group is not None:   # one all-reduce for both: a pair of floats a token
             pair = platform.all_reduce(platform.cat([sum_exp, target], dim=-1), plan.group, op="sum")
             sum_exp, target = pair[:, 0:1], pair[:, 1:2]
@@ -112,20 +114,29 @@ def _token_grads(grad, labels, count, plan, dtype):
 
 
 def _backward(ctx, grad):
+    # d loss / d logits = (softmax - one_hot) * token_grad; the softmax part is contracted tile by
+    # tile, the one-hot part is a row lookup (hidden) and a row scatter (weight): no one-hot tile
     platform = get_platform()
     hidden, weight, labels, lse, count = ctx.saved_tensors
     plan = ctx.plan
     dtype = platform.compute_dtype(hidden.dtype)
+    vocab_local = weight.shape[0]
     token_grad = _token_grads(grad, labels, count, plan, dtype)
+    weight_c, hidden_c = weight.to(dtype), hidden.to(dtype)
     grad_weight = platform.zeros(tuple(weight.shape), dtype=dtype, device=weight.device)
-    hidden_tiles = []
+    hidden_tiles, columns, target_grads = [], [], []
     for start, end in _tiles(hidden.shape[0], plan.chunk):
-        logits = _tile_logits(hidden, weight, start, end, dtype)
-        probs = (logits - lse[start:end].unsqueeze(1)).exp()
-        is_target = _not_target(labels, start, end, plan, weight.shape[0], hidden.device).logical_not()
-        grad_logits = (probs - is_target.to(dtype)) * token_grad[start:end]
-        hidden_tiles.append(grad_logits @ weight.to(dtype))
-        grad_weight += grad_logits.transpose(0, 1) @ hidden[start:end].to(dtype)
+        probs = _tile_logits(hidden, weight, start, end, dtype)
+        probs.sub_(lse[start:end].unsqueeze(1)).exp_().mul_(token_grad[start:end])
+        column, here = _targets(labels, start, end, plan, vocab_local)
+        target_grad = token_grad[start:end] * here.unsqueeze(1).to(dtype)
+        hidden_tiles.append(probs @ weight_c - target_grad * weight_c.index_select(0, column))
+        grad_weight += probs.transpose(0, 1) @ hidden_c[start:end]
+        columns.append(column)
+        target_grads.append(target_grad)
+    if columns:
+        grad_weight = platform.add_rows(grad_weight, platform.cat(columns, dim=0),
+                                        -(platform.cat(target_grads, dim=0) * hidden_c))
     grad_hidden = platform.cat(hidden_tiles, dim=0) if hidden_tiles else platform.zeros_like(hidden)
     if plan.group is not None:   # each rank's share comes from its vocab columns only
         grad_hidden = platform.all_reduce(grad_hidden, plan.group, op="sum")

@@ -5,6 +5,10 @@ import torch.utils.checkpoint
 
 class TorchLongSequence:
     @staticmethod
+    def add_rows(target, index, source):
+        return target.index_add_(0, index, source)
+
+    @staticmethod
     def recompute(function, *args):
         # non-reentrant: works when only some inputs need gradients, and nests inside HF's own checkpointing
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
