@@ -37,6 +37,13 @@ def test_shard_sequence_2d_cp_mesh_ring():
                     {"kv_exchange": "ring"}) == [0, 2, 1, 3]
 
 
+def test_shard_sequence_2d_cp_mesh_load_balance():
+    """A ("ds", "co") mesh with ds of size 1 under load balancing (all-gather KV, head-tail): the co
+    dim is the CP mesh; shard_sequence's blocks and ContextParallel agree, equal to one device."""
+    assert run_dist(4, cases.shard_sequence_ds_co, ("ds", "co"), (1, 4),
+                    {"ulysses_degree": 1, "load_balance": True}) == [0, 1, 2, 3]
+
+
 def _shard_sequence_errors(rank, world_size):
     import torch
     from hyper_parallel import init_device_mesh, shard_sequence

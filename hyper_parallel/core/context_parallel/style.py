@@ -93,7 +93,9 @@ class ContextParallel(ParallelStyle):
             if self.ulysses_degree not in (None, mesh.size("ds")):
                 raise ValueError(f"ulysses_degree={self.ulysses_degree} does not match the mesh's ds size "
                                  f"{mesh.size('ds')}")
-            return mesh
+            # ds of size 1: rank (co=c, ds=0) holds block c, so the co dim alone is the 1-D CP mesh
+            # (load balancing and the pure ring run on one dim)
+            return mesh["co"] if mesh.size("ds") == 1 else mesh
         if mesh.ndim != 1:
             raise ValueError(f"ContextParallel needs a 1-D CP mesh or a 2-D ('co', 'ds') mesh, got {mesh.ndim}-D "
                              f"{mesh.mesh_dim_names}; slice it, e.g. mesh['cp']")
