@@ -25,18 +25,28 @@ def _run(example, *args, timeout=420):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def _assert_checked(done):
+def _assert_checked(done, last="[2/2] loss"):
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
-    assert "[2/2] loss" in done.stdout and "max |loss - single-process loss|" in done.stdout, out
+    assert last in done.stdout and "max |loss - single-process loss|" in done.stdout, out
 
 
-@pytest.mark.parametrize("layout", [
-    ("--dp-shard", "2", "--cp", "2", "--mode", "allgather-lb"),   # ZeRO-3 over the flattened dp_shard × cp
-    ("--dp", "2", "--dp-shard", "2", "--cp", "1"),                # HSDP 2 × 2
-], ids=["zero3-cp", "hsdp"])   # TP × fully_shard: the titan example below
-def test_hf_example_dp_shard_check(layout):
-    _assert_checked(_run("train_llama_hf.py", *layout, "--hidden", "32", *TINY))
+def test_hf_example_dp_shard_check_save_and_resume_on_tp(tmp_path):
+    """ZeRO-3 over the flattened dp_shard × cp ranks, saved (DCP of the sharded model and AdamW
+    state); resumed as ZeRO-3 × TP on (dp_shard, tp): two more steps equal one process training all
+    four straight through."""
+    directory = str(tmp_path / "ckpt")
+    _assert_checked(_run("train_llama_hf.py", "--dp-shard", "2", "--cp", "2", "--mode", "allgather-lb",
+                         "--hidden", "32", *TINY, "--save", directory))
+    done = _run("train_llama_hf.py", "--dp-shard", "2", "--cp", "1", "--tp", "2", "--hidden", "32", *TINY,
+                "--resume", directory)
+    _assert_checked(done, last="[4/4] loss")
+    assert "[3/4] loss" in done.stdout, done.stdout
+
+
+def test_hf_example_hsdp_check():
+    _assert_checked(_run("train_llama_hf.py", "--dp", "2", "--dp-shard", "2", "--cp", "1", "--hidden", "32",
+                         *TINY))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
