@@ -45,6 +45,12 @@ def parse_args(argv=None):
     p.add_argument("--compare", action="store_true", help="add rows for peer implementations when importable")
     p.add_argument("--kind", default="attention", choices=("attention", "gdn"),
                    help="gdn: linear-attention rows (the gated delta rule, benchmarks/cp_linear.py)")
+    p.add_argument("--calibrate", metavar="PATH", help="measure this world's numbers for mode='auto' into PATH, "
+                   "then exit (ContextParallel(mode='auto', calibration=PATH) reads them)")
+    p.add_argument("--auto-sweep", action="store_true", help="time auto against every fixed mode over "
+                   "--sweep-heads x (kv heads 1, = heads) x --sweep-seqs x causal/full")
+    p.add_argument("--sweep-heads", default="2,8", help="query heads of --auto-sweep")
+    p.add_argument("--sweep-seqs", default="256,1024", help="sequence lengths of --auto-sweep")
     p.add_argument("--packed", type=int, default=0, metavar="N",
                    help="N packed documents per row: modes run under attention_masks(document_ids=...) "
                         "against a dense-mask reference (torch)")
@@ -75,7 +81,7 @@ def _invalid(args):
     if args.modes != "all":
         names = [m.strip() for m in args.modes.split(",")]
         from benchmarks.cp_modes import MODES  # only here: it imports the framework
-        known = [m.name for m in MODES]
+        known = [m.name for m in MODES] + ["auto"]
         unknown = [n for n in names if n not in known]
         if unknown:
             return f"--modes: unknown mode(s) {', '.join(map(repr, unknown))}; known: all, {', '.join(known)}"
@@ -131,6 +137,7 @@ def rank_main(args):
 
 # ----------------------------------------------------------------------------------------- one rank
 def run_rank(args):
+    from benchmarks import cp_auto
     from benchmarks.cp_frameworks import framework_ops
     from benchmarks.cp_modes import MODES
     from benchmarks.cp_ring_overlap import format_line, ring_overlap_line
@@ -152,15 +159,27 @@ def run_rank(args):
     if lead:
         print(header(args, world, platform.name, platform.capabilities()), flush=True)
 
+    if args.calibrate:
+        return cp_auto.calibrate(args.calibrate, mesh, lead)
+    if args.auto_sweep:
+        sweep = cp_auto.auto_sweep(args, lambda cfg: _Bench(cfg, mesh, platform, fw), lead)
+        if lead and args.json:
+            write_json(args.json, {"auto_sweep": sweep, "world": world, "config": vars(args)})
+        platform.destroy_process_group()
+        return 0
     peers, no_peers = _peers(args, fw)
     wanted = [m.strip() for m in args.modes.split(",")]
     modes = [m for m in MODES if args.modes == "all" or m.name in wanted] + peers
+    if "auto" in wanted:
+        modes.append(cp_auto.AutoMode())
     bench = _Bench(args, mesh, platform, fw)
     rows = [bench.reference()]
     for i, mode in enumerate(modes):
         if lead:
             print(f"[{i + 1}/{len(modes)}] {mode.name} ...", file=sys.stderr, flush=True)
         rows.append(bench.run(mode))
+        if isinstance(mode, cp_auto.AutoMode) and mode.style is not None and mode.style.last_choice:
+            rows[-1]["mode"] = f"auto -> {mode.style.last_choice.mode}"
     rows += no_peers
     ring_row = next((r for r in rows if r["mode"] == "ring"), None)
     ring_line = ring_overlap_line(bench, ring_row) if fw.name == "torch" else None
@@ -308,12 +327,12 @@ class _Bench:
 
         with CommDebugMode() as comm:
             out = fw.forward(attn, blocks)
-        sent_fwd = sum(b for op, b in comm.get_comm_bytes().items() if op != "shape_check")
+        sent_fwd = sum(b for op, b in comm.get_comm_bytes().items() if op not in ("shape_check", "calibration"))
         if getattr(mode, "forward_only", False):
             return self._run_forward_only(mode, attn, blocks, out, sent_fwd)
         with CommDebugMode() as comm:
             out, grads = forward_backward()
-        sent_all = sum(b for op, b in comm.get_comm_bytes().items() if op != "shape_check")
+        sent_all = sum(b for op, b in comm.get_comm_bytes().items() if op not in ("shape_check", "calibration"))
         ref_out, ref_grads = self.ref
         err_out = fw.max_abs_diff(out, self._block(ref_out))
         err_grad = max(fw.max_abs_diff(g, self._block(r)) for g, r in zip(grads, ref_grads))

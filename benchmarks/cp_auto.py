@@ -25,8 +25,10 @@ class AutoMode(Mode):
     def build(self, cfg, mesh, fw):
         from hyper_parallel import ContextParallel
         module = fw.attention(cfg.causal, cfg.kv_heads != cfg.heads)
+        from hyper_parallel.core.context_parallel.auto.calibration import machine_for
         self.style = ContextParallel(seq_dim=SEQ, head_dim=HEAD, mode="auto", causal=cfg.causal)
         self.style.apply(module, mesh)
+        machine_for(mesh, None, self.style.fixed)   # calibrated once per mesh, before anything is counted
         return module
 
     def chosen(self, world):
@@ -49,8 +51,9 @@ class AutoMode(Mode):
 
 
 def calibrate(path, mesh, lead):
+    from hyper_parallel import ContextParallel
     from hyper_parallel.core.context_parallel.auto.calibration import measure
-    machine = measure(mesh)
+    machine = measure(mesh, make_style=ContextParallel(mode="auto").fixed)
     if lead:
         machine.save(path)
         print(f"calibration of {mesh.size()} ranks written to {path}: {machine}", flush=True)

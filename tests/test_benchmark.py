@@ -191,3 +191,25 @@ def test_benchmark_runs_as_a_file(name, tmp_path):
     done = subprocess.run([sys.executable, str(path), "--help"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_benchmark_auto_row_calibration_and_sweep(tmp_path):
+    """--modes auto: a row named after the mode auto chose, exact, with that mode's closed form;
+    --calibrate writes the numbers mode='auto' reads; --auto-sweep prints the choice per
+    configuration and the share within 1.10x of the best fixed mode."""
+    payload, _ = _run(tmp_path, "--modes", "ulysses,allgather,auto")
+    auto = [r for r in payload["rows"] if r["mode"].startswith("auto -> ")]
+    assert len(auto) == 1 and auto[0]["ok"] and auto[0]["bytes_fwd"] == pytest.approx(auto[0]["formula_bytes"])
+    path = tmp_path / "calibration.json"
+    base = [sys.executable, "-m", "benchmarks.cp_attention", "--nproc", "2", "--head-dim", "8", "--iters", "1",
+            "--warmup", "0"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run(base + ["--calibrate", str(path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    numbers = json.loads(path.read_text())
+    assert numbers["flops"] > 0 and numbers["ds_bandwidth"] > 0 and "allgather" in numbers["overheads"]
+    done = subprocess.run(base + ["--auto-sweep", "--sweep-heads", "2", "--sweep-seqs", "32"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "auto within 1.10x of the best fixed mode: " in done.stdout and done.stderr.count("auto -> ") == 4
