@@ -125,3 +125,37 @@ def test_conflicting_arguments_are_refused():
         ContextParallel(memory_budget=10)
     with pytest.raises(ValueError, match="mode='fast' is not supported"):
         ContextParallel(mode="fast")
+
+
+def _hf_auto(rank, world_size):
+    import torch
+    import torch.nn.functional as F
+    from hyper_parallel import data_parallel, get_platform, init_device_mesh, shard_sequence
+    from hyper_parallel.integrations.transformers import parallelize_model
+    from tests.hf_zoo import VOCAB, tiny
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    count = (labels != -100).sum()
+    reference = tiny("llama")
+    ref = F.cross_entropy(reference(input_ids=ids).logits.flatten(0, 1), labels.flatten(), reduction="sum") / count
+    ref.backward()
+    model = parallelize_model(tiny("llama"), mesh, cp_mode="auto")
+    data_parallel(model, mesh, average=False)
+    local_ids, local_labels = shard_sequence([ids, labels], mesh)
+    logits = model(input_ids=local_ids).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), local_labels.flatten(), reduction="sum") / count
+    loss.backward()
+    torch.testing.assert_close(get_platform().all_reduce(loss.detach(), mesh.get_group()), ref.detach())
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    choice = model._hp_cp_attention.style.last_choice
+    assert choice is not None and choice.mode in choice.predicted_seconds
+    return choice.mode
+
+
+def test_parallelize_model_cp_mode_auto():
+    pytest.importorskip("transformers")
+    results = run_dist(2, _hf_auto)
+    assert all(r == results[0] for r in results)

@@ -79,7 +79,8 @@ class CPAttention:
     def __init__(self, model, cp_mesh, cp_kwargs):
         self.config = model.config
         self.mesh = cp_mesh
-        self.core = ContextParallel(seq_dim=2, head_dim=1, **cp_kwargs).apply(_CoreAttention(), cp_mesh)
+        self.style = ContextParallel(seq_dim=2, head_dim=1, **cp_kwargs)   # style.last_choice under mode='auto'
+        self.core = self.style.apply(_CoreAttention(), cp_mesh)
         self.masks, self.in_forward = None, False
         self.model = weakref.ref(model)
         # the sequence-mixing audit (hf_sequence_audit.py): its runs get a token-local stand-in for

@@ -32,7 +32,7 @@ def _sub_mesh(mesh, name, role):
 
 
 def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shard", average=True, loss=None,
-                      **context_parallel_kwargs):
+                      cp_mode=None, **context_parallel_kwargs):
     """Tensor parallelism on mesh dim ``tp`` (the model's ``base_model_tp_plan``) and context-parallel
     attention on mesh dim ``cp`` (``context_parallel_kwargs`` go to ``ContextParallel``, e.g.
     ``ulysses_degree=1``, ``load_balance=True``, ``kv_exchange="ring"``; ``linear_attention="allgather"``
@@ -42,7 +42,8 @@ def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shar
     root (hf_fully_shard.py; then no data_parallel is needed), averaging the gradients over those
     ranks, or summing them with ``average=False`` (a loss normalised by the global token count).
     ``loss="chunked"``: given labels, the forward returns the loss without computing logits
-    (hf_chunked_loss.py; under CP pass ``shift_labels=`` and ``num_items_in_batch=``). Returns the model."""
+    (hf_chunked_loss.py; under CP pass ``shift_labels=`` and ``num_items_in_batch=``). ``cp_mode="auto"``:
+    ContextParallel chooses the mode per shape (``mode="auto"``, docs/context_parallel.md). Returns the model."""
     if getattr(model, "_hp_parallelized", False):
         raise ValueError("parallelize_model was already applied to this model")
     check_loss_option(loss)
@@ -59,6 +60,8 @@ def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shar
         raise ValueError(f"parallelize_model(average=False) sets fully_shard's gradient reduction, but the "
                          f"mesh {device_mesh.mesh_dim_names} has no {dp_shard!r} dim; pass "
                          f"data_parallel(model, mesh, average=False) for replicated data parallelism")
+    if cp_mode is not None:
+        context_parallel_kwargs["mode"] = cp_mode
     if context_parallel_kwargs and cp_mesh is None:
         raise ValueError(f"parallelize_model: context-parallel options {sorted(context_parallel_kwargs)} "
                          f"given but the mesh has no {cp!r} dim")
