@@ -14,5 +14,11 @@ def test_mindspore_fully_shard_trains_like_one_process(shape):
     assert run_on("mindspore", 2, ms_fully_shard.train_matches_one_process, shape) == [True, True]
 
 
+def test_mindspore_fully_shard_reduce_dtype():
+    # gradients reduced in float16 (fp32 parameters and compute)
+    assert run_on("mindspore", 2, ms_fully_shard.train_matches_one_process, mp={"reduce_dtype": "float16"},
+                  tol=2e-3) == [True, True]
+
+
 def test_mindspore_fully_shard_refusals():
     assert run_on("mindspore", 2, ms_fully_shard.unsupported_parts) == [True, True]

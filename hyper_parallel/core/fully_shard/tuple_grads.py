@@ -47,9 +47,10 @@ def _gather_backward(ctx, grad):
 _GATHER = lazy_autograd_function("FullyShardGather", _gather_forward, _gather_backward)
 
 
-def _check_owned(owned):
+def _check_owned(owned, mesh_info):
     """What this path cannot shard, refused by name (from arguments only: the same on every rank)."""
     platform = get_platform()
+    n = mesh_info.shard_size
     for param, locations in owned:
         label = f"{type(locations[0][0]).__name__}.{locations[0][1]}"
         if len(locations) > 1:
@@ -63,6 +64,13 @@ def _check_owned(owned):
         if not tuple(param.shape):
             raise ValueError(f"fully_shard: parameter {label} is 0-dimensional and has no dim 0 to shard; "
                              f"make it shape (1,) or keep it outside the sharded module")
+        rows = tuple(param.shape)[0] if tuple(param.shape) else 0
+        if rows and any(chunk_range(0, rows, n, r)[1] == 0 for r in range(n)):
+            # MindSpore's optimizers create their state with initializer(), which refuses a 0 size
+            raise ValueError(f"fully_shard on {platform.name}: parameter {label} has {rows} rows, which "
+                             f"split over {n} ranks leave a rank without rows; an empty Parameter cannot "
+                             f"be optimized here. Give dim 0 at least {n} rows splitting without an empty "
+                             f"rank (e.g. a multiple of {n}), or use a smaller mesh")
 
 
 class TupleParam:
@@ -105,7 +113,7 @@ class TupleUnit:
     """One fully_shard unit on a tuple-gradient platform: the hooks of the module docstring."""
 
     def __init__(self, module, owned, mesh_info, policy, average):
-        _check_owned(owned)   # all of them before the first parameter changes
+        _check_owned(owned, mesh_info)   # all of them before the first parameter changes
         self.params = [TupleParam(locations[0][0], locations[0][1], param, mesh_info)
                        for param, locations in owned]
         self.mesh_info, self.policy, self.op = mesh_info, policy, "avg" if average else "sum"
