@@ -12,6 +12,7 @@ context parallelism).
 import pytest
 
 from tests.harness import run_dist
+from tests.harness.frameworks import framework_worlds, run_on
 
 B, S, HQ, HKV, D = 2, 16, 4, 2, 4
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -28,8 +29,8 @@ VARIANTS = {   # name -> hyper_parallel.attention keywords (sinks: True = a lear
     "sinks": {"sinks": True},
     "softcap_sinks": {"softcap": 1.5, "sinks": True},
     "softcap_bidirectional": {"softcap": 0.8, "causal": False},
-    "window": {"window": 5},                         # shorter than a rank's block at cp=2 (8) and longer at cp=4
-    "window_short": {"window": 2},                   # shorter than a zigzag chunk at cp=4 (2)
+    "window": {"window": 5},          # shorter than a rank's block at cp=2 (8), longer at cp=4 (4)
+    "window_short": {"window": 2},    # a zigzag chunk's length at cp=4 (2)
     "window_all": {"window": 3, "softcap": 0.8, "sinks": True},
 }
 DOCS = [[3, 6, 1, 6], [9, 2, 5]]   # packed document lengths per batch row
@@ -139,8 +140,9 @@ CASES_2 += [("ulysses", "softcap_bidirectional", False), ("ring", "softcap_bidir
 CASES_4 = [(mode, "softcap_sinks", docs) for mode in ("hybrid", "hybrid_ring") for docs in (False, True)]
 WINDOW_2 = [(mode, variant, docs) for mode in ("ulysses", "allgather", "allgather_lb", "ring", "zigzag")
             for variant, docs in (("window", False), ("window_all", True))]
-WINDOW_4 = [(mode, variant, False) for mode in ("allgather", "ring", "zigzag", "hybrid_ring")
-            for variant in ("window", "window_short")] + [("zigzag", "window_all", True)]
+WINDOW_4 = [(mode, variant, False) for mode in ("allgather", "ring", "zigzag", "hybrid", "hybrid_ring")
+            for variant in ("window", "window_short")]
+WINDOW_4 += [("zigzag", "window_all", True), ("hybrid", "window_all", True), ("ulysses", "window_short", False)]
 
 
 @pytest.mark.parametrize("world_size,cases", [(2, CASES_2), (4, CASES_4)], ids=["cp2", "cp4"])
@@ -216,7 +218,6 @@ def test_gradcheck_softcap_and_sinks():
 
 def _window_bytes(rank, world_size, window):
     """Bytes this rank sends by kind in a second ring call (forward + backward)."""
-    import torch
     from hyper_parallel import CommDebugMode, ContextParallel, init_device_mesh, parallelize_module
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
@@ -237,3 +238,12 @@ def test_ring_window_sends_only_the_blocks_it_needs():
         assert got["send_recv"] == 3 * 2 * block, got
     for got in run_dist(4, _window_bytes, None):
         assert got["send_recv"] == 3 * 3 * 2 * block, got
+
+
+@pytest.mark.parametrize("framework,world", framework_worlds(2, mindspore=(2,)))
+def test_variants_on_both_frameworks(framework, world):
+    """tests/cases/cp_variants.py: softcap + sinks and window + sinks in the five 1-D modes, on
+    torch and MindSpore."""
+    from tests.cases import cp_variants
+    done = run_on(framework, world, cp_variants.every_mode, timeout=900)
+    assert all(len(r) == len(cp_variants.MODES) * len(cp_variants.OPTIONS) for r in done)

@@ -164,7 +164,8 @@ class _Ring:
         layout, platform = self.layout, get_platform()
         to = layout.ranks[(layout.index + distance) % layout.size]
         source = layout.ranks[(layout.index - distance) % layout.size]
-        return platform.p2p_exchange([(t, to) for t in tensors], [(t, source) for t in tensors], async_op=True)
+        return platform.p2p_exchange([(t, to) for t in tensors], [(t, source) for t in tensors],
+                                     async_op=True)
 
 
 def ring_steps(layout, kernel, length):
