@@ -1,5 +1,5 @@
 """fully_shard on MindSpore Cells (core/fully_shard/tuple_grads.py) on 2 MindSpore ranks: ZeRO-3 and
-HSDP trained with nn.TrainOneStepCell equal one process (losses, this rank's rows of the weights and
+HSDP trained with nn.TrainOneStepCell equal one process, TP × ZeRO-3 on 4 ranks too (losses, this rank's rows of the weights and
 of Adam's moments), and the parts MindSpore refuses by name (tests/cases/ms_fully_shard.py)."""
 import pytest
 
@@ -22,3 +22,7 @@ def test_mindspore_fully_shard_reduce_dtype():
 
 def test_mindspore_fully_shard_refusals():
     assert run_on("mindspore", 2, ms_fully_shard.unsupported_parts) == [True, True]
+
+
+def test_mindspore_tp_times_fully_shard_four_ranks():
+    assert run_on("mindspore", 4, ms_fully_shard.tp_matches_one_process) == [True] * 4

@@ -12,14 +12,14 @@ from tests.frameworks import close, expect_error, inp
 E, H, BATCH = 4, 5, 8
 
 
-def _net(out=3):
+def _net(out=3, hidden=H):
     import mindspore as ms
     from mindspore import mint, ops
 
     class Block(ms.nn.Cell):
         def __init__(self):
             super().__init__()
-            self.w1, self.w2 = mint.nn.Linear(E, H), mint.nn.Linear(H, E)
+            self.w1, self.w2 = mint.nn.Linear(E, hidden), mint.nn.Linear(hidden, E)
 
         def construct(self, x):
             return x + self.w2(ops.tanh(self.w1(x)))
@@ -111,9 +111,9 @@ def train_matches_one_process(rank, world_size, shape=None, steps=3, lr=0.05, ou
 
 
 def unsupported_parts(rank, world_size):
-    """What MindSpore's fully_shard refuses, by name: unreduced accumulation, TP parameters, and a
-    parameter whose rows leave a rank an empty shard (MindSpore's optimizers refuse 0-size state)."""
-    from hyper_parallel import ColwiseParallel, fully_shard, init_device_mesh, parallelize_module
+    """What MindSpore's fully_shard refuses, by name: unreduced accumulation, and a parameter whose
+    rows leave a rank an empty shard (MindSpore's optimizers refuse 0-size state)."""
+    from hyper_parallel import DTensor, fully_shard, init_device_mesh
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
     net = fully_shard(_net(), mesh)
     expect_error(NotImplementedError, lambda: net.set_requires_gradient_sync(False),
@@ -121,14 +121,52 @@ def unsupported_parts(rank, world_size):
     net.set_requires_gradient_sync(True)
     net.set_reshard_after_forward(False)
     expect_error(ValueError, lambda: net.set_reshard_after_backward("no"), "True or False")
-    tp = _net()
-    parallelize_module(tp.head, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)),
-                       ColwiseParallel())
-    expect_error(NotImplementedError, lambda: fully_shard(tp, mesh), "Linear.weight", "tensor-parallel",
-                 "torch only")
-    from hyper_parallel import DTensor
-    # refused before any parameter changed: the blocks (registered before the head) are untouched
-    assert not any(isinstance(v, DTensor) for v in vars(tp.blocks[0].w1).values())
-    expect_error(ValueError, lambda: fully_shard(_net(out=1), mesh), "Linear.weight has 1 rows",
+    small = _net(out=1)
+    expect_error(ValueError, lambda: fully_shard(small, mesh), "Linear.weight has 1 rows",
                  f"over {world_size} ranks leave a rank without rows")
+    # refused before any parameter changed: the blocks (registered before the head) are untouched
+    assert not any(isinstance(v, DTensor) for v in vars(small.blocks[0].w1).values())
+    return True
+
+
+# how TP splits the blocks' parameters (Colwise w1, Rowwise w2); None: whole on every TP rank
+TP_DIMS = {"w1.weight": 0, "w1.bias": 0, "w2.weight": 1, "w2.bias": None}
+
+
+def tp_matches_one_process(rank, world_size, steps=3, lr=0.05):
+    """TP × ZeRO-3 on a (dp_shard, tp) 2×2 mesh: Colwise/Rowwise blocks, then fully_shard over
+    dp_shard (each TP shard split again on dim 0, 3 rows as 2 + 1); losses, each rank's rows of the
+    weights and of Adam's moments equal one process."""
+    import mindspore as ms
+    from hyper_parallel import ColwiseParallel, RowwiseParallel, fully_shard, init_device_mesh
+    from hyper_parallel import parallelize_module
+    from hyper_parallel.platform import get_platform
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp_shard", "tp"))
+    dp, tp = mesh.get_coordinate()
+    xs, ys = inp("fsdpx", 0, (BATCH, E)), inp("fsdpy", 0, (BATCH, 3))
+    ref = _net(hidden=6)
+    ref_step, ref_opt = _step(ref, xs, ys, lr)
+    ref_losses = [float(ref_step(ms.Tensor(xs)).asnumpy()) for _ in range(steps)]
+    ref_params, ref_moments = {p.name: p.asnumpy() for p in ref.trainable_params()}, _moments(ref, ref_opt)
+    net = _net(hidden=6)
+    for block in net.blocks:
+        parallelize_module(block, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        fully_shard(block, mesh["dp_shard"])
+    fully_shard(net, mesh["dp_shard"])
+    assert net.blocks[0].w1.weight.device_mesh.mesh_dim_names == ("dp_shard", "tp")
+    rows = slice(dp * BATCH // 2, (dp + 1) * BATCH // 2)
+    step, opt = _step(net, xs[rows], ys[rows], lr)
+    losses = [float(step(ms.Tensor(xs[rows])).asnumpy()) for _ in range(steps)]
+    losses = get_platform().all_reduce(ms.Tensor(np.asarray(losses, np.float32)), mesh["dp_shard"].get_group(),
+                                       op="avg").asnumpy()
+    close(losses, np.asarray(ref_losses, np.float32), "losses", rtol=1e-5, atol=1e-5)
+
+    def mine(name, full):
+        dim = TP_DIMS.get(".".join(name.split(".")[-2:])) if name.startswith("blocks") else None
+        piece = full if dim is None else np.array_split(full, 2, dim)[tp]
+        return np.array_split(piece, 2, 0)[dp]
+    for p, (m, v) in zip(net.trainable_params(), _moments(net, opt).values()):
+        close(p.asnumpy(), mine(p.name, ref_params[p.name]), f"{p.name} rows", rtol=1e-5, atol=1e-5)
+        close(m, mine(p.name, ref_moments[p.name][0]), f"{p.name} Adam m", rtol=1e-5, atol=1e-5)
+        close(v, mine(p.name, ref_moments[p.name][1]), f"{p.name} Adam v", rtol=1e-5, atol=1e-6)
     return True

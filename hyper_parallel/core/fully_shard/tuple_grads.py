@@ -11,6 +11,10 @@ all-reduces the shard over dp_replicate), and installs the gathered tensors as t
 attributes; the post-hook puts the sharded DTensor views back. The gradient in the tuple is
 therefore already this rank's reduced rows: the train step's ``grad_reducer`` stays as it is.
 
+A tensor-parallel parameter (a DTensor on a 1-D TP mesh) is split the same way within its TP shard:
+the view lives on the concatenated (dp..., tp) mesh as on torch, and the gathered tensor is the TP
+DTensor the Cell computes with.
+
 What torch's path does and this one cannot (docs/fully_shard.md, "MindSpore"): the framework's
 autograd keeps the gathered tensors it saved until backward (so backward does not re-gather and
 ``reshard_after_forward`` frees nothing), there is no prefetch (the next unit's gather cannot be
@@ -57,10 +61,9 @@ def _check_owned(owned, mesh_info):
             names = [f"{type(m).__name__}.{n}" for m, n in locations]
             raise NotImplementedError(f"fully_shard on {platform.name}: a parameter shared by {names} (tied "
                                       f"weights) is not supported; untie it")
-        if isinstance(param, DTensor):
-            raise NotImplementedError(f"fully_shard on {platform.name}: parameter {label} is a "
-                                      f"tensor-parallel DTensor; composing fully_shard with tensor "
-                                      f"parallelism is implemented on torch only")
+        if isinstance(param, DTensor):   # a TP parameter: its own rows are what fully_shard splits
+            mesh_info.sharded_spec(tuple(param.shape), param._spec, label)   # raises for bad TP meshes
+            param = param._local_tensor
         if not tuple(param.shape):
             raise ValueError(f"fully_shard: parameter {label} is 0-dimensional and has no dim 0 to shard; "
                              f"make it shape (1,) or keep it outside the sharded module")
@@ -78,6 +81,11 @@ class TupleParam:
 
     def __init__(self, module, name, param, mesh_info):
         label = f"{type(module).__name__}.{name}"
+        global_shape = tuple(param.shape)
+        # a tensor-parallel parameter: fully_shard splits (and gathers back) this rank's TP shard
+        self.tp_spec = param._spec if isinstance(param, DTensor) else None
+        if self.tp_spec is not None:
+            param = param._local_tensor
         shape = tuple(param.shape)
         self.module, self.name, self.shape = module, name, shape
         n, rows = mesh_info.shard_size, shape[0]
@@ -85,8 +93,8 @@ class TupleParam:
         self.padded_numel = -(-rows // n) * self.row_numel
         start, size = chunk_range(0, rows, n, mesh_info.shard_rank)
         local = param[start:start + size]
-        get_platform().set_parameter(module, name, DTensor._make(local, mesh_info.sharded_spec(shape, None,
-                                                                                              label)))
+        spec = mesh_info.sharded_spec(global_shape, self.tp_spec, label)
+        get_platform().set_parameter(module, name, DTensor._make(local, spec))
         self.view = dict(get_platform().named_parameters(module))[name]
         self.offset = 0
 
@@ -106,7 +114,8 @@ class TupleParam:
         """The whole parameter from the all-gather's [ranks, flat size] output: the ranks' padded
         pieces are its rows in order, padding only at the end (rows split as chunk splits them)."""
         block = gathered2d[:, self.offset:self.offset + self.padded_numel].reshape(-1)
-        return block[:self.shape[0] * self.row_numel].reshape(self.shape)
+        whole = block[:self.shape[0] * self.row_numel].reshape(self.shape)
+        return whole if self.tp_spec is None else DTensor._make(whole, self.tp_spec)
 
 
 class TupleUnit:
