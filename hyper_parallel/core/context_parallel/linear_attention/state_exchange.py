@@ -37,7 +37,8 @@ def _allgather_forward(ctx, m, s, initial, group, initial_needs_grad):
     states = _fold([gathered[j] for j in range(size)], initial, rank, d_k)
     ctx.gathered, ctx.states, ctx.group, ctx.rank, ctx.size = gathered, states, group, rank, size
     ctx.initial_needs_grad = initial_needs_grad
-    return states[-1].clone() if rank == 0 else states[-1]   # never an input returned as-is
+    # a new tensor, never an input returned as-is (multiplying: MindSpore's CPU backend has no Clone kernel)
+    return states[-1] * 1 if rank == 0 else states[-1]
 
 
 def _allgather_backward(ctx, grad):
@@ -79,7 +80,7 @@ def _p2p_forward(ctx, m, s, initial, group, initial_needs_grad):
         platform.p2p_exchange([((m @ incoming + s).contiguous(), nxt)], [], group)
     ctx.m, ctx.incoming, ctx.prev, ctx.nxt, ctx.group = m, incoming, prev, nxt, group
     ctx.initial_needs_grad = initial_needs_grad
-    return incoming.clone() if prev is None else incoming
+    return incoming * 1 if prev is None else incoming   # a new tensor (see _allgather_forward)
 
 
 def _p2p_backward(ctx, grad):
