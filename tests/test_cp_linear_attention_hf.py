@@ -47,7 +47,8 @@ def test_linear_attention_family_trains_like_one_process(family, modes):
 
 def _refusals(rank, world_size):
     """The audit still measures everything else: a convolution nobody made exact, added to a GDN model,
-    is refused by name; an unknown state mode is refused before any collective."""
+    is refused by name; an unknown state mode, and linear attention under CP together with TP, are
+    refused before any collective."""
     import torch
     from hyper_parallel import init_device_mesh
     from hyper_parallel.integrations.transformers import parallelize_model
@@ -69,6 +70,9 @@ def _refusals(rank, world_size):
         parallelize_model(model, mesh)
     with pytest.raises(ValueError, match=r"linear_attention='ring'"):
         parallelize_model(tiny("qwen3_5"), mesh, linear_attention="ring")
+    cp_tp = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("cp", "tp"))
+    with pytest.raises(ValueError, match="not together with tensor parallelism"):
+        parallelize_model(tiny("qwen3_5"), cp_tp)
     return True
 
 

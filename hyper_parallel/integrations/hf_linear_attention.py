@@ -127,19 +127,25 @@ def _cp_forward(module, adapter, mixing):
     return forward
 
 
-def make_linear_attention_exact(model, cp_mesh, mode="allgather"):
+def make_linear_attention_exact(model, cp_mesh, mode="allgather", tensor_parallel=False):
     """Replace the forward of every known linear-attention module by its CP form; returns their names.
-    ``mode``: how the recurrent state crosses ranks, "allgather" (default) or "p2p"."""
+    ``mode``: how the recurrent state crosses ranks, "allgather" (default) or "p2p". Refused together
+    with tensor parallelism (the layers' TP-split projections are not handled: checked on every
+    rank before anything is replaced)."""
     if mode not in MODES:
         raise ValueError(f"parallelize_model(linear_attention={mode!r}): pass one of {MODES} (how the "
                          f"linear-attention state crosses the CP ranks)")
+    found = [(name, module) for name, module in model.named_modules() if type(module).__name__ in ADAPTERS]
+    if found and tensor_parallel:
+        raise ValueError(f"parallelize_model: {type(model).__name__} has linear-attention layers "
+                         f"({found[0][0]}: {type(found[0][1]).__name__}), which context parallelism splits "
+                         f"exactly but not together with tensor parallelism yet; use a mesh without the 'tp' "
+                         f"dim (context parallelism and data parallelism only)")
     platform = get_platform()
     mixing = _Mixing(cp_mesh.get_group(), mode)
     replaced = []
-    for name, module in model.named_modules():
-        adapter = ADAPTERS.get(type(module).__name__)
-        if adapter is None:
-            continue
+    for name, module in found:
+        adapter = ADAPTERS[type(module).__name__]
         platform.replace_forward(module, lambda _original, m=module, a=adapter: _cp_forward(m, a, mixing))
         mark_sequence_exact(module)
         replaced.append(name)

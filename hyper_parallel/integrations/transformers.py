@@ -68,7 +68,7 @@ def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shar
     # linear-attention layers (GDN, KDA) made exact on the CP blocks before the audit measures the model
     linear_mode = context_parallel_kwargs.pop("linear_attention", "allgather")
     if cp_mesh is not None:
-        make_linear_attention_exact(model, cp_mesh, linear_mode)
+        make_linear_attention_exact(model, cp_mesh, linear_mode, tensor_parallel=tp_mesh is not None)
     # context parallelism first: its audit runs the plain model (no tensor-parallel collectives)
     state = prepare_context_parallel(model, cp_mesh, context_parallel_kwargs) if cp_mesh is not None else None
     if tp_mesh is not None:
