@@ -78,3 +78,34 @@ def _refusals(rank, world_size):
 
 def test_audit_still_refuses_other_mixing():
     assert run_dist(2, _refusals) == [True] * 2
+
+
+def _padded(rank, world_size, family):
+    """A right-padded batch (2-D attention_mask): the linear layers zero the padded tokens of their
+    block as one device does over the whole sequence; logits of the kept tokens and every gradient
+    match one process."""
+    import torch
+    from hyper_parallel import get_platform, init_device_mesh, shard_sequence
+    from hyper_parallel.integrations.transformers import parallelize_model
+    from tests.hf_zoo import VOCAB, tiny
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 11:] = 0
+    reference, model = tiny(family), tiny(family)
+    ref = reference(input_ids=ids, attention_mask=mask).logits * mask[..., None]
+    ref.square().sum().backward()
+    parallelize_model(model, mesh)
+    ids_block, mask_block = shard_sequence([ids, mask], mesh)
+    out = model(input_ids=ids_block, attention_mask=mask_block).logits * mask_block[..., None]
+    torch.testing.assert_close(out, shard_sequence(ref.detach(), mesh), atol=1e-5, rtol=1e-5)
+    out.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        grad = get_platform().all_reduce(p.grad, mesh.get_group())
+        torch.testing.assert_close(grad, q.grad, atol=1e-5, rtol=1e-5, msg=lambda m: f"{family} {name}: {m}")
+    return True
+
+
+def test_padding_mask_matches_one_process():
+    assert run_dist(2, _padded, "qwen3_5") == [True] * 2
