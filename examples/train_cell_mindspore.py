@@ -10,7 +10,9 @@ processes itself and stops them all if one fails. The model -- embedding, causal
 RMS norms, an output head -- is parallelized with hyper_parallel's styles over ``mesh["tp"]``
 (vocab-parallel embedding, Colwise q/k/v/MLP-in, Rowwise out-projections), and
 ``data_parallel(TrainOneStepCell(...), mesh["dp"])`` makes the train step all-reduce (mean) the
-gradients over the data-parallel ranks, each of which trains on its slice of the batch. Rank 0
+gradients over the data-parallel ranks, each of which trains on its slice of the batch
+(``--dp-shard N``: ``fully_shard`` on each block and the root over N more data ranks instead,
+sharding parameters, gradients and Adam's state; with --dp > 1 HSDP). Rank 0
 prints every step's global loss; ``--check`` then trains the same model on the same batches in one
 process and exits 1 unless every step's loss matches to 1e-5 (fp32).
 """
@@ -37,11 +39,13 @@ _CHATTER = re.compile(r"^\[(DEBUG|INFO|WARNING|ERROR)\] [A-Z_]+\(")   # MindSpor
 
 
 def parse_args(argv=None):
-    p = _common.parser(__doc__, dp=2, tp=2, seq=16, width=32, vocab=64, lr=1e-2)
+    p = _common.parser(__doc__, dp=2, tp=2, seq=16, width=32, vocab=64, lr=1e-2, dp_shard=True)
     args = p.parse_args(argv)
     if args.heads % args.tp or args.vocab % args.tp or args.dim % args.heads:
         p.error(f"--heads ({args.heads}) and --vocab ({args.vocab}) must divide by --tp ({args.tp}), "
                 f"--dim ({args.dim}) by --heads")
+    if args.dp_shard < 1:
+        p.error(f"--dp-shard {args.dp_shard}: pass a positive number of ranks")
     return args
 
 
@@ -147,7 +151,8 @@ def train_step(model, args):
 def batch(args, step, rows):
     """Step ``step``'s token ids and next-token labels, rows ``rows`` of the global batch."""
     import mindspore as ms
-    tokens = np.random.RandomState(1000 + step).randint(0, args.vocab, (args.batch * args.dp, args.seq + 1))
+    data_ranks = args.dp * args.dp_shard
+    tokens = np.random.RandomState(1000 + step).randint(0, args.vocab, (args.batch * data_ranks, args.seq + 1))
     tokens = tokens[rows].astype(np.int32)
     return ms.Tensor(tokens[:, :-1]), ms.Tensor(tokens[:, 1:])
 
@@ -157,14 +162,23 @@ def train_parallel(args):
     """This rank's part; returns every step's global loss (the mean over data-parallel ranks)."""
     import mindspore as ms
     import hyper_parallel as hp
-    from hyper_parallel import data_parallel, init_device_mesh, parallelize_module
-    mesh = init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
-    dp_rank = mesh.get_coordinate()[0]
+    from hyper_parallel import data_parallel, fully_shard, init_device_mesh, parallelize_module
+    sharded = args.dp_shard > 1
+    names = ("dp_replicate", "dp_shard", "tp") if sharded else ("dp", "tp")
+    mesh = init_device_mesh("cpu", (args.dp, args.dp_shard, args.tp) if sharded else (args.dp, args.tp),
+                            mesh_dim_names=names)
+    data = mesh[names[:-1]].flatten() if sharded else mesh["dp"]   # ranks with different batches
+    dp_rank = data.get_coordinate()[0]
     model = build_model(args)
     parallelize_module(model, mesh["tp"], {k: getattr(hp, v)() for k, v in TP_PLAN.items()})
-    step = data_parallel(train_step(model, args), mesh["dp"])
+    if sharded:   # each rank's loss is the mean over equal batches: fully_shard averages
+        shard_mesh = mesh["dp_replicate", "dp_shard"] if args.dp > 1 else mesh["dp_shard"]
+        for layer in model.layers:
+            fully_shard(layer, shard_mesh)
+        fully_shard(model, shard_mesh)
+    step = train_step(model, args) if sharded else data_parallel(train_step(model, args), mesh["dp"])
     rows = slice(dp_rank * args.batch, (dp_rank + 1) * args.batch)
-    platform, group, losses = hp.get_platform(), mesh["dp"].get_group(), []
+    platform, group, losses = hp.get_platform(), data.get_group(), []
     for i in range(args.steps):
         start = time.time()
         loss = step(*batch(args, i, rows))
@@ -259,13 +273,14 @@ def main(argv=None):
         return 0
     if role or "RANK_TABLE_FILE" in os.environ:
         return rank_main(args)
-    if args.dp * args.tp == 1:
+    world = args.dp * args.dp_shard * args.tp
+    if world == 1:
         os.environ["HP_PLATFORM"] = "mindspore"
         losses = train_single(args)
         for i, loss in enumerate(losses):
             print(f"[{i + 1}/{args.steps}] loss {loss:.6f}")
         return 0
-    return launch(argv, args.dp * args.tp)
+    return launch(argv, world)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,10 @@ TINY = ["--steps", "2", "--layers", "1", "--seq", "8", "--dim", "16", "--heads",
 pytestmark = pytest.mark.mindspore
 
 
-@pytest.mark.parametrize("layout", [["--dp", "2", "--tp", "1"], ["--dp", "1", "--tp", "2"]])
+# --dp-shard 2: fully_shard on each block and the root instead of data_parallel (2 ranks: the
+# cheapest; TP × fully_shard on MindSpore is tests/test_fully_shard_mindspore.py's)
+@pytest.mark.parametrize("layout", [["--dp", "2", "--tp", "1"], ["--dp", "1", "--tp", "2"],
+                                    ["--dp", "1", "--dp-shard", "2", "--tp", "1"]])
 def test_mindspore_example_matches_one_process(layout):
     require_mindspore()
     launcher = ("MS_ROLE", "MS_NODE_ID", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT", "RANK_TABLE_FILE")
