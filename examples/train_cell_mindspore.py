@@ -152,7 +152,8 @@ def batch(args, step, rows):
     """Step ``step``'s token ids and next-token labels, rows ``rows`` of the global batch."""
     import mindspore as ms
     data_ranks = args.dp * args.dp_shard
-    tokens = np.random.RandomState(1000 + step).randint(0, args.vocab, (args.batch * data_ranks, args.seq + 1))
+    shape = (args.batch * data_ranks, args.seq + 1)
+    tokens = np.random.RandomState(1000 + step).randint(0, args.vocab, shape)
     tokens = tokens[rows].astype(np.int32)
     return ms.Tensor(tokens[:, :-1]), ms.Tensor(tokens[:, 1:])
 

@@ -99,7 +99,8 @@ def train_matches_one_process(rank, world_size, shape=None, steps=3, lr=0.05, ou
         mine = np.array_split(full, n, 0)[me]
         close(p.asnumpy(), mine, f"{p.name} (this rank's rows)", rtol=tol, atol=tol)
         close(m, np.array_split(ref_moments[p.name][0], n, 0)[me], f"{p.name} Adam m", rtol=tol, atol=tol)
-        close(v, np.array_split(ref_moments[p.name][1], n, 0)[me], f"{p.name} Adam v", rtol=tol, atol=tol / 10)
+        close(v, np.array_split(ref_moments[p.name][1], n, 0)[me], f"{p.name} Adam v", rtol=tol,
+              atol=tol / 10)
     close(net.blocks[0].w1.weight.full_tensor(), ref_params[ref.blocks[0].w1.weight.name], "full_tensor()",
           rtol=tol, atol=tol)
     net.unshard()   # the whole weights installed until reshard()
@@ -157,8 +158,8 @@ def tp_matches_one_process(rank, world_size, steps=3, lr=0.05):
     rows = slice(dp * BATCH // 2, (dp + 1) * BATCH // 2)
     step, opt = _step(net, xs[rows], ys[rows], lr)
     losses = [float(step(ms.Tensor(xs[rows])).asnumpy()) for _ in range(steps)]
-    losses = get_platform().all_reduce(ms.Tensor(np.asarray(losses, np.float32)), mesh["dp_shard"].get_group(),
-                                       op="avg").asnumpy()
+    losses = get_platform().all_reduce(ms.Tensor(np.asarray(losses, np.float32)),
+                                       mesh["dp_shard"].get_group(), op="avg").asnumpy()
     close(losses, np.asarray(ref_losses, np.float32), "losses", rtol=1e-5, atol=1e-5)
 
     def mine(name, full):
