@@ -79,7 +79,7 @@ def _forward(ctx, hidden, weight, labels, plan):
         row_max = logits.max(dim=-1, keepdim=True)[0]
         if plan.group is not None:
             row_max = platform.all_reduce(row_max, plan.group, op="max")
-        logits.sub_(row_max)
+        logits = logits.sub_(row_max)     # the result, not the side effect: MindSpore may return a new tensor
         column, here = _targets(labels, start, end, plan, vocab_local)
         # the target's shifted logit, 0 on ranks that do not hold the target column
         target = logits.gather(dim=-1, index=column.unsqueeze(1)) * here.unsqueeze(1).to(dtype)
@@ -127,7 +127,7 @@ def _backward(ctx, grad):
     hidden_tiles, columns, target_grads = [], [], []
     for start, end in _tiles(hidden.shape[0], plan.chunk):
         probs = _tile_logits(hidden, weight, start, end, dtype)
-        probs.sub_(lse[start:end].unsqueeze(1)).exp_().mul_(token_grad[start:end])
+        probs = probs.sub_(lse[start:end].unsqueeze(1)).exp_().mul_(token_grad[start:end])
         column, here = _targets(labels, start, end, plan, vocab_local)
         target_grad = token_grad[start:end] * here.unsqueeze(1).to(dtype)
         hidden_tiles.append(probs @ weight_c - target_grad * weight_c.index_select(0, column))
