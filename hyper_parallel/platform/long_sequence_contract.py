@@ -1,10 +1,10 @@
 """The part of the platform contract core/long_sequence uses (``Platform`` in base.py inherits it):
 recomputation for ``tiled_mlp`` and saved-tensor hooks plus host copies for ``offload_activations``.
 
-The defaults are those of a framework without the concept; torch implements them
-(platform/torch/long_sequence.py). MindSpore leaves them unimplemented for now (each raises
-``NotImplementedError`` naming the feature); chunked_cross_entropy needs only ``add_rows``, whose
-default here is plain tensor algebra.
+The defaults are those of a framework without the concept (each raises ``NotImplementedError``
+naming the feature); torch (platform/torch/long_sequence.py) and MindSpore
+(platform/mindspore/long_sequence.py) implement them. chunked_cross_entropy needs only ``add_rows``,
+whose default here is plain tensor algebra.
 """
 from hyper_parallel.platform.training_contract import unavailable
 

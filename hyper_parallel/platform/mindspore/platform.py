@@ -27,12 +27,13 @@ from hyper_parallel.platform.mindspore import meta
 from hyper_parallel.platform.mindspore.collectives import Collectives
 from hyper_parallel.platform.mindspore.groups import MsGroup
 from hyper_parallel.platform.mindspore.training import MindSporeTrainingSupport
+from hyper_parallel.platform.mindspore.long_sequence import MindSporeLongSequence
 from hyper_parallel.platform.mindspore.dtensor_base import MindSporeDTensorBase
 
 _LAUNCHER_ENV = ("MS_ROLE", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT")
 
 
-class MindSporePlatform(MindSporeTrainingSupport, Platform):  # training.py: factories, DP, checkpoints
+class MindSporePlatform(MindSporeTrainingSupport, MindSporeLongSequence, Platform):  # training.py: DP, ckpt
     name = "mindspore"
     Tensor = ms.Tensor
     Module = ms.nn.Cell
