@@ -199,3 +199,26 @@ def test_example_hybrid_needs_four_cp_ranks():
         done = subprocess.run([sys.executable, str(root / "examples" / example), "--cp", "2", "--mode", "hybrid"],
                               cwd=root, capture_output=True, text=True, timeout=120)
         assert done.returncode != 0 and "needs an even --cp of at least 4" in done.stderr, done.stderr
+
+
+def _hf_loss_keywords(rank, world_size):
+    """transformers hands the loss's keywords (labels, shift_labels, num_items_in_batch) to every
+    layer and so to the attention function: they pass through, and HF's own loss with globally
+    shifted labels and the global count sums over the CP ranks to the single-process loss."""
+    import torch
+    from hyper_parallel import get_platform, init_device_mesh, shard_sequence
+    from hyper_parallel.integrations.transformers import parallelize_model
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    ids, labels, _, _ = _batch("plain")
+    count = (labels != -100).sum()
+    ref = _model(_config())(input_ids=ids, labels=ids).loss   # HF shifts within the whole sequence
+    model = parallelize_model(_model(_config()), mesh)
+    local_ids, local_labels = shard_sequence([ids, labels], mesh)
+    loss = model(input_ids=local_ids, labels=local_labels, shift_labels=local_labels, num_items_in_batch=count).loss
+    torch.testing.assert_close(get_platform().all_reduce(loss.detach(), mesh.get_group()), ref.detach())
+    return True
+
+
+def test_hf_loss_keywords_pass_through_context_parallel_attention():
+    assert run_dist(2, _hf_loss_keywords) == [True, True]

@@ -18,6 +18,8 @@ HANDLED = frozenset({"dropout", "scaling", "is_causal", "position_ids", "sliding
 PLUMBING = frozenset({
     "use_cache", "cache_position", "output_attentions", "output_hidden_states",
     "output_router_logits", "return_dict", "position_embeddings",
+    # the loss's keywords, which transformers hands every layer along with the rest of **kwargs
+    "labels", "shift_labels", "num_items_in_batch", "logits_to_keep",
 })
 
 # what each refused variant is, for the error message
