@@ -10,7 +10,7 @@ recomputes each tile's gradients from the final (out, lse) of its rows.
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.context_parallel.masks.block_masks import Span, spans, tile_kind, tile_mask
 from hyper_parallel.core.dtensor.ops.attention import expand_heads, fold_heads
-from hyper_parallel.core.dtensor.ops.attention_lse import fold_sinks, sinks_grad
+from hyper_parallel.core.dtensor.ops.attention_lse import fold_sinks, merge, sinks_grad
 from hyper_parallel.platform import get_platform
 
 NEG_INF = float("-inf")
@@ -45,23 +45,6 @@ def plan(masks, rows, q_span, k_span, causal, window=None):
                 keys.append((k, kind))
         result.append((q, keys))
     return result
-
-
-def merge(acc, out, lse):
-    """Two partial attentions over disjoint keys, by log-sum-exp; rows where both saw nothing stay
-    (0, -inf) instead of becoming NaN (-inf - -inf)."""
-    out = out.to(lse.dtype)
-    if acc is None:
-        return out, lse
-    acc_out, acc_lse = acc
-    # log(e^a + e^b) by hand: MindSpore's logaddexp(-inf, -inf) is NaN, not -inf
-    top = acc_lse.maximum(lse)
-    dead = top == NEG_INF
-    shift = top.masked_fill(dead, 0.0)
-    new = ((acc_lse - shift).exp() + (lse - shift).exp()).log() + shift
-    w_acc = (acc_lse - new).exp().masked_fill(dead, 0.0).unsqueeze(-1)
-    w_new = (lse - new).exp().masked_fill(dead, 0.0).unsqueeze(-1)
-    return acc_out * w_acc + out * w_new, new
 
 
 def _narrow(t, span, origin):
