@@ -1,9 +1,10 @@
 """parallelize_model across Hugging Face families: each trains equal to one process under context
 parallelism (two AdamW steps: per-step loss, every weight) or is refused with a ValueError on every
 rank before any step — never a different model in silence. Gemma 2's soft-capping, gpt-oss's sinks
-and sliding windows shorter than the sequence train exactly in every mode; families whose sequence
-mixing is not split yet (linear attention, DSA) must be refused; a convolution over the sequence
-that nobody listed is found by measurement, and a kernel-1 one (token-local) is not refused."""
+and sliding windows shorter than the sequence train exactly in every mode (the linear-attention
+families: tests/test_cp_linear_attention_hf.py); what is not split yet (DeepSeek-V3.2's sparse
+attention) must be refused; a convolution over the sequence that nobody listed is found by
+measurement, and a kernel-1 one (token-local) is not refused."""
 import pytest
 
 from tests.harness import run_dist
