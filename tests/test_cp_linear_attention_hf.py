@@ -14,26 +14,8 @@ MODES = {"allgather": {}, "p2p": {"linear_attention": "p2p"},
 
 
 def _exact(rank, world_size, family, modes):
-    import torch
-    from hyper_parallel import get_platform, init_device_mesh
-    from hyper_parallel.integrations.transformers import parallelize_model
-    from tests.hf_zoo import tiny
-    from tests.test_hf_model_zoo import _batches, _train
-
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
-    reference = tiny(family)
-    ref_losses = _train(reference, _batches())
-    for mode in modes:
-        model = parallelize_model(tiny(family), mesh, **MODES[mode])
-        losses = _train(model, _batches(), mesh)
-        for step, (loss, ref) in enumerate(zip(losses, ref_losses)):
-            total = get_platform().all_reduce(loss, mesh.get_group())
-            torch.testing.assert_close(total, ref, atol=1e-5, rtol=1e-5,
-                                       msg=lambda m: f"{family} {mode} step {step} loss: {m}")
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(p.detach(), q.detach(), atol=1e-5, rtol=1e-5,
-                                       msg=lambda m: f"{family} {mode} {name}: {m}")
-    return True
+    from tests.test_hf_model_zoo import trains_like_one_process
+    return trains_like_one_process(family, {}, [(m, MODES[m]) for m in modes])
 
 
 @pytest.mark.parametrize("family,modes", [

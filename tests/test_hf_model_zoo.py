@@ -117,17 +117,19 @@ MODES = {"ulysses": {}, "allgather": {"ulysses_degree": 1},
          "zigzag": {"ulysses_degree": 1, "kv_exchange": "ring", "load_balance": True}}
 
 
-def _exact(rank, world_size, family, overrides, modes):
+def trains_like_one_process(family, overrides, modes):
+    """Two AdamW steps of ``family`` under ``parallelize_model(**kwargs)`` for each (name, kwargs) of
+    ``modes`` on a 1-D "cp" mesh: per-step loss and every weight equal the single-process run."""
     import torch
     from hyper_parallel import get_platform, init_device_mesh
     from hyper_parallel.integrations.transformers import parallelize_model
     from tests.hf_zoo import tiny
 
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    mesh = init_device_mesh("cpu", (get_platform().get_world_size(),), mesh_dim_names=("cp",))
     reference = tiny(family, **overrides)
     ref_losses = _train(reference, _batches())
-    for mode in modes:
-        model = parallelize_model(tiny(family, **overrides), mesh, **MODES[mode])
+    for mode, kwargs in modes:
+        model = parallelize_model(tiny(family, **overrides), mesh, **kwargs)
         losses = _train(model, _batches(), mesh)
         for step, (loss, ref) in enumerate(zip(losses, ref_losses)):
             total = get_platform().all_reduce(loss, mesh.get_group())
@@ -137,6 +139,10 @@ def _exact(rank, world_size, family, overrides, modes):
             torch.testing.assert_close(p.detach(), q.detach(), atol=1e-5, rtol=1e-5,
                                        msg=lambda m: f"{family} {mode} {name}: {m}")
     return True
+
+
+def _exact(rank, world_size, family, overrides, modes):
+    return trains_like_one_process(family, overrides, [(m, MODES[m]) for m in modes])
 
 
 @pytest.mark.parametrize("family,overrides,modes", [
