@@ -62,6 +62,17 @@ def test_shard_sequence_2d_mesh_errors():
     assert run_dist(4, _shard_sequence_errors) == [True] * 4
 
 
+def _init_again(platform, rank, world_size):
+    # a fresh rendezvous: on MASTER_PORT again, a rank can meet the first group's store (still
+    # alive while the old mesh holds its groups) and read its stale addresses, which hangs the
+    # other rank. The parent's pid and the pool's port name this pool's file on both ranks.
+    import os
+    import tempfile
+    path = os.path.join(tempfile.gettempdir(),
+                        f"hp-reinit-{os.getppid()}-{os.environ['MASTER_PORT']}")
+    platform.init_process_group(init_method=f"file://{path}", rank=rank, world_size=world_size)
+
+
 def _after_destroy(rank, world_size):
     import torch
     from hyper_parallel import Replicate, Shard, distribute_tensor, init_device_mesh
@@ -75,7 +86,7 @@ def _after_destroy(rank, world_size):
             with pytest.raises(RuntimeError, match="process group .* is gone.*destroy_process_group"):
                 use()
     finally:
-        platform.init_process_group()
+        _init_again(platform, rank, world_size)
     # initialised again: the old mesh's groups are stale, still a clear error
     with pytest.raises(RuntimeError, match="is gone"):
         dt.full_tensor()
