@@ -71,9 +71,11 @@ def _init_again(platform, rank, world_size):
     path = os.path.join(tempfile.gettempdir(),
                         f"hp-reinit-{os.getppid()}-{os.environ['MASTER_PORT']}")
     platform.init_process_group(init_method=f"file://{path}", rank=rank, world_size=world_size)
+    return path
 
 
 def _after_destroy(rank, world_size):
+    import os
     import torch
     from hyper_parallel import Replicate, Shard, distribute_tensor, init_device_mesh
     from hyper_parallel.platform import get_platform
@@ -86,12 +88,16 @@ def _after_destroy(rank, world_size):
             with pytest.raises(RuntimeError, match="process group .* is gone.*destroy_process_group"):
                 use()
     finally:
-        _init_again(platform, rank, world_size)
+        store_file = _init_again(platform, rank, world_size)
     # initialised again: the old mesh's groups are stale, still a clear error
     with pytest.raises(RuntimeError, match="is gone"):
         dt.full_tensor()
     fresh = distribute_tensor(torch.arange(8.0), init_device_mesh("cpu", (world_size,)), [Shard(0)])
-    return fresh.full_tensor().tolist()
+    gathered = fresh.full_tensor().tolist()
+    platform.barrier()  # new groups write to the file store: remove it once every rank is done
+    if rank == 0:
+        os.remove(store_file)
+    return gathered
 
 
 def test_dtensor_after_destroy_process_group_says_the_group_is_gone():
