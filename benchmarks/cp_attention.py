@@ -36,6 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=sorted(TOLERANCE))
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--window", type=int, default=None, metavar="W",
+                   help="causal sliding window of W keys (hyper_parallel.attention); the ring's bytes shrink")
     p.add_argument("--modes", default="all", help="comma-separated mode names, or 'all'")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
@@ -73,6 +75,10 @@ def _invalid(args):
             return f"--{name.replace('_', '-')} {value}: must be a positive integer"
     if args.warmup < 0:
         return f"--warmup {args.warmup}: must be 0 or more"
+    if args.window is not None and (args.window < 1 or not args.causal):
+        return f"--window {args.window}: must be a positive number of keys, with --causal"
+    if args.window is not None and (args.packed or args.kind != "attention"):
+        return f"--window {args.window}: not with --packed or --kind {args.kind} (attention rows only)"
     if args.packed < 0 or args.packed > args.seq or args.packed_block < 1:
         return (f"--packed {args.packed} / --packed-block {args.packed_block}: documents must be 0 (off) to "
                 f"--seq, the block at least 1")
@@ -297,7 +303,7 @@ class _Bench:
 
     def reference(self):
         fw = self.fw
-        module = fw.attention(self.args.causal, self.args.kv_heads != self.args.heads)
+        module = fw.attention(self.args.causal, self.args.kv_heads != self.args.heads, self.args.window)
         if self.args.packed:
             module = cp_packed.reference(self.args, fw)
         self.ref = fw.forward_backward(module, self.full, self.grad_out)

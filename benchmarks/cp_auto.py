@@ -24,7 +24,7 @@ class AutoMode(Mode):
 
     def build(self, cfg, mesh, fw):
         from hyper_parallel import ContextParallel
-        module = fw.attention(cfg.causal, cfg.kv_heads != cfg.heads)
+        module = fw.attention(cfg.causal, cfg.kv_heads != cfg.heads, getattr(cfg, "window", None))
         from hyper_parallel.core.context_parallel.auto.calibration import machine_for
         self.style = ContextParallel(seq_dim=SEQ, head_dim=HEAD, mode="auto", causal=cfg.causal)
         self.style.apply(module, mesh)

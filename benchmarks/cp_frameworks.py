@@ -58,8 +58,9 @@ class FrameworkOps:
         """A one-element float32 tensor (for all_reduce / all_gather of per-rank numbers)."""
         raise NotImplementedError
 
-    def attention(self, causal, gqa):
-        """A core-attention module/Cell ``(q, k, v) -> out`` that ContextParallel can be applied to."""
+    def attention(self, causal, gqa, window=None):
+        """A core-attention module/Cell ``(q, k, v) -> out`` that ContextParallel can be applied to;
+        ``window``: a causal sliding window of that many keys (``hyper_parallel.attention``)."""
         raise NotImplementedError
 
     def sdpa(self, q, k, v, causal, gqa, mask=None):

@@ -11,19 +11,23 @@ import numpy as np
 import mindspore as ms
 from mindspore import mint
 
+import hyper_parallel as hp
 from benchmarks.cp_frameworks import FrameworkOps, UnsupportedConfig
 from hyper_parallel.platform.mindspore import scaled_dot_product_attention
 
 
 class Attention(ms.nn.Cell):
-    """Core attention on BSHD tensors (hyper_parallel's SDPA: MindSpore has none on CPU)."""
+    """Core attention on BSHD tensors (hyper_parallel's SDPA: MindSpore has none on CPU); with a
+    sliding window, ``hyper_parallel.attention``."""
 
-    def __init__(self, causal, gqa):
+    def __init__(self, causal, gqa, window=None):
         super().__init__()
-        self.causal, self.gqa = causal, gqa
+        self.causal, self.gqa, self.window = causal, gqa, window
 
     def construct(self, q, k, v):
         q, k, v = (x.swapaxes(1, 2) for x in (q, k, v))
+        if self.window is not None:
+            return hp.attention(q, k, v, is_causal=True, window=self.window).swapaxes(1, 2)
         out = scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=self.gqa)
         return out.swapaxes(1, 2)
 
@@ -90,8 +94,8 @@ class MindSporeOps(FrameworkOps):
     def scalar(self, value):
         return ms.Tensor([float(value)], ms.float32)
 
-    def attention(self, causal, gqa):
-        return Attention(causal, gqa)
+    def attention(self, causal, gqa, window=None):
+        return Attention(causal, gqa, window)
 
     def sdpa(self, q, k, v, causal, gqa, mask=None):
         q, k, v = (x.swapaxes(1, 2) for x in (q, k, v))

@@ -42,12 +42,14 @@ class Mode:
             return f"heads {cfg.heads}/{cfg.kv_heads} not divisible by {ds}"
         if cfg.seq % (2 * world if self.load_balance else world):
             return f"seq {cfg.seq} not divisible into {2 * world if self.load_balance else world} blocks"
+        if getattr(cfg, "window", None) and self.raw:
+            return "the raw forms have no sliding window"
         return None
 
     def build(self, cfg, mesh, fw) -> Callable:
         if self.raw:
             return RAW[self.name.replace(" (raw)", "")](cfg, mesh, fw)
-        module = fw.attention(cfg.causal, cfg.kv_heads != cfg.heads)
+        module = fw.attention(cfg.causal, cfg.kv_heads != cfg.heads, getattr(cfg, "window", None))
         ContextParallel(seq_dim=SEQ, head_dim=HEAD, ulysses_degree=self.ulysses,
                         load_balance=self.load_balance, kv_exchange=self.kv_exchange,
                         overlap=self.overlap).apply(module, mesh)
@@ -59,7 +61,9 @@ class Mode:
         base = self.base
         if base == "ulysses":
             return (P - 1) / P * B * (S / P) * D * (2 * hq + 2 * hkv)
-        if base in ("allgather", "allgather-lb", "ring", "ring-zigzag"):
+        if base == "ring":  # one K/V block a hop; a window stops the ring early
+            return self.ring_hops(cfg, P) * 2 * B * (S / P) * hkv * D
+        if base in ("allgather", "allgather-lb", "ring-zigzag"):
             volume = 2 * (P - 1) / P * B * S * hkv * D
             if base == "allgather-lb":
                 volume += 2 * B * (S / (2 * P)) * hq * D
@@ -68,23 +72,46 @@ class Mode:
             return volume
         u = self.ulysses
         r = P // u
-        return (u - 1) / u * B * (S / P) * D * (2 * hq + 2 * hkv) + 2 * (r - 1) / r * B * S * hkv * D / u
+        hops = self.ring_hops(cfg, r) if self.kv_exchange == "ring" else r - 1
+        return (u - 1) / u * B * (S / P) * D * (2 * hq + 2 * hkv) + 2 * hops / r * B * S * hkv * D / u
+
+    def ring_hops(self, cfg, ring_size):
+        """K/V hops one rank sends forward on a contiguous ring of ``ring_size`` blocks: every other
+        block, or under a causal window of w keys only the ceil((w - 1) / L) blocks before its own
+        (L = S / ring_size) -- the steps ``ring_steps`` takes (docs: "Sliding window")."""
+        window = getattr(cfg, "window", None)
+        if not window or not cfg.causal:
+            return ring_size - 1
+        return min(ring_size - 1, -(-(window - 1) // (cfg.seq // ring_size)))
 
     def causal_work(self, cfg, world, rank):
-        """(query, key) pairs the kernel visits on this rank, per head group."""
+        """(query, key) pairs the kernel visits on this rank, per head group: whole blocks up to the
+        diagonal, or under a sliding window the pairs inside it."""
         S, P = cfg.seq, world
         base = self.base
         if not cfg.causal or base.startswith("ulysses"):
             return 1.0
         if base.startswith("hybrid"):
-            co = P // self.ulysses
-            block = S // co
-            return float(block * (rank // self.ulysses + 1) * block)
-        if base in ("allgather-lb", "ring-zigzag"):
+            block = S // (P // self.ulysses)
+            rows = [(block * (rank // self.ulysses), block)]
+        elif base in ("allgather-lb", "ring-zigzag"):
             c = S // (2 * P)
-            return float(c * (2 * rank + 1) * c + c * (2 * P - 2 * rank) * c)
-        L = S // P
-        return float(L * (rank + 1) * L)
+            rows = [(c * rank, c), (c * (2 * P - 1 - rank), c)]
+        else:
+            rows = [(S // P * rank, S // P)]
+        window = getattr(cfg, "window", None)
+        if window is None:
+            return float(sum(n * (start + n) for start, n in rows))
+        return float(sum(_visible_pairs(start, n, window) for start, n in rows))
+
+
+def _visible_pairs(start, rows, window):
+    """Keys the causal query rows [start, start + rows) see, each at most ``window`` of them."""
+    def up_to(n):  # sum of min(i + 1, w) for i < n
+        if window is None or n <= window:
+            return n * (n + 1) // 2
+        return window * (window + 1) // 2 + (n - window) * window
+    return up_to(start + rows) - up_to(start)
 
 
 MODES = [

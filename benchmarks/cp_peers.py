@@ -31,6 +31,11 @@ class PeerMode(Mode):
     formula_as: str = "ulysses"      # the MODES row whose closed form and causal work apply
     forward_only: bool = False
 
+    def supported(self, cfg, world, fw):
+        if getattr(cfg, "window", None):
+            return "the peers are timed without a sliding window"
+        return super().supported(cfg, world, fw)
+
     def build(self, cfg, mesh, fw=None):
         return self.factory(cfg, mesh)
 

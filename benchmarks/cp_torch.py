@@ -5,18 +5,22 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import hyper_parallel as hp
 from benchmarks.cp_frameworks import FrameworkOps
 
 
 class Attention(nn.Module):
-    """Core attention on BSHD tensors."""
+    """Core attention on BSHD tensors; with a sliding window, ``hyper_parallel.attention`` (sdpa
+    has no window argument)."""
 
-    def __init__(self, causal, gqa):
+    def __init__(self, causal, gqa, window=None):
         super().__init__()
-        self.causal, self.gqa = causal, gqa
+        self.causal, self.gqa, self.window = causal, gqa, window
 
     def forward(self, q, k, v):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.window is not None:
+            return hp.attention(q, k, v, is_causal=True, window=self.window).transpose(1, 2)
         extra = {"enable_gqa": True} if self.gqa else {}
         return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, **extra).transpose(1, 2)
 
@@ -62,8 +66,8 @@ class TorchOps(FrameworkOps):
     def scalar(self, value):
         return torch.tensor([float(value)], device=self.device)
 
-    def attention(self, causal, gqa):
-        return Attention(causal, gqa)
+    def attention(self, causal, gqa, window=None):
+        return Attention(causal, gqa, window)
 
     def sdpa(self, q, k, v, causal, gqa, mask=None):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))

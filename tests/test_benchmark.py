@@ -43,6 +43,22 @@ def test_benchmark_json(tmp_path, extra):
     assert "ulysses" in stdout and "formula" in stdout  # the table was printed
 
 
+def test_benchmark_window_rows_bytes_equal_the_closed_form(tmp_path):
+    """--window W: every mode runs the windowed attention exactly, and the bytes each rank sends
+    equal the closed form; the contiguous ring's shrink with the window (4 ranks of 16 tokens, a
+    window of 8 keys reaches one block back: 1 hop instead of 3)."""
+    modes = "ulysses,allgather,allgather-lb,hybrid,ring,ring-zigzag,hybrid-ring"
+    payload, _ = _run(tmp_path, "--nproc", "4", "--window", "8", "--modes", modes)
+    rows = {r["mode"]: r for r in payload["rows"]}
+    assert payload["config"]["window"] == 8
+    for name in modes.split(","):
+        row = rows[name]
+        assert row["ok"] and max(row["err_out"], row["err_grad"]) <= payload["tolerance"], row
+        assert row["bytes_fwd"] == pytest.approx(row["formula_bytes"]), row
+    hop = 2 * 1 * 16 * 4 * 8 * 4   # K and V of one block: B * L * heads * D fp32 values each
+    assert rows["ring"]["bytes_fwd"] == hop
+
+
 def test_benchmark_fails_when_error_exceeds_tolerance(tmp_path):
     """A mode whose result is wrong must make the benchmark exit non-zero, naming the mode."""
     env_patch = tmp_path / "sitecustomize.py"
@@ -66,7 +82,9 @@ def test_benchmark_fails_when_error_exceeds_tolerance(tmp_path):
     (("--seq", "-8"), "--seq -8"), (("--head-dim", "0"), "--head-dim 0"), (("--warmup", "-1"), "--warmup -1"),
     (("--kv-heads", "3"), "--kv-heads 3"), (("--modes", "ulysses,ulyses"), "'ulyses'"),
     (("--json", "{file}/out.json"), "--json {file}/out.json"), (("--plot", "{tmp}"), "--plot {tmp}"),
-], ids=["nproc0", "iters0", "batch0", "seq-neg", "head-dim0", "warmup-neg", "kv-heads", "modes", "json", "plot"])
+    (("--window", "0"), "--window 0"), (("--window", "8", "--no-causal"), "--window 8"),
+], ids=["nproc0", "iters0", "batch0", "seq-neg", "head-dim0", "warmup-neg", "kv-heads", "modes", "json", "plot",
+        "window0", "window-noncausal"])
 def test_benchmark_rejects_bad_arguments(tmp_path, args, needle):
     """Exit status 2 and one line naming the bad value, before any rank starts (nothing on stdout,
     no JSON written)."""
