@@ -12,6 +12,7 @@ parallel ranks (``mesh["dp", "cp"].flatten()``): see docs/training.md.
 from hyper_parallel.integrations.hf_chunked_loss import apply_chunked_loss, check_loss_option
 from hyper_parallel.integrations.hf_context_parallel import apply_context_parallel, prepare_context_parallel
 from hyper_parallel.integrations.hf_linear_attention import make_linear_attention_exact
+from hyper_parallel.integrations.hf_mla import make_mla_exact
 from hyper_parallel.integrations.hf_tensor_parallel import apply_tensor_parallel, translate_plan
 
 __all__ = ["parallelize_model", "translate_plan"]
@@ -69,6 +70,8 @@ def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shar
     linear_mode = context_parallel_kwargs.pop("linear_attention", "allgather")
     if cp_mesh is not None:
         make_linear_attention_exact(model, cp_mesh, linear_mode, tensor_parallel=tp_mesh is not None)
+        # MLA under all-gather KV: the latent travels, DSA's top-k over the global keys (hf_mla.py)
+        make_mla_exact(model, cp_mesh, context_parallel_kwargs, tensor_parallel=tp_mesh is not None)
     # context parallelism first: its audit runs the plain model (no tensor-parallel collectives)
     state = prepare_context_parallel(model, cp_mesh, context_parallel_kwargs) if cp_mesh is not None else None
     if tp_mesh is not None:
