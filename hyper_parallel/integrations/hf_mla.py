@@ -33,8 +33,9 @@ import torch.nn.functional as F
 
 from hyper_parallel.core.context_parallel import attention as hp_attention
 from hyper_parallel.core.context_parallel.masks.attention_masks import attention_masks
-from hyper_parallel.core.context_parallel.mla import (attend_gathered, gather_latents, gather_sequence_no_grad,
-                                                      selected_keys, sparse_attention, visible_keys)
+from hyper_parallel.core.context_parallel.mla import (attend_gathered, gather_latents,
+                                                      gather_sequence_no_grad, selected_keys,
+                                                      sparse_attention, visible_keys)
 from hyper_parallel.integrations.hf_attention_args import attention_variant, check_attention_kwargs
 from hyper_parallel.integrations.hf_sequence_audit import is_probing, mark_sequence_exact
 from hyper_parallel.platform import get_platform
@@ -102,8 +103,9 @@ def _check_call(module, attention_mask, cache, kwargs):
         raise ValueError(f"parallelize_model: {type(module).__name__} was called with a cache; context "
                          f"parallelism splits the sequence for training, pass use_cache=False")
     if attention_mask is not None:
-        raise ValueError(f"parallelize_model: {type(module).__name__} received a prepared mask tensor; under "
-                         f"context parallelism pass the 2-D padding attention_mask (this rank's block) instead")
+        raise ValueError(f"parallelize_model: {type(module).__name__} received a prepared mask tensor; "
+                         f"under context parallelism pass the 2-D padding attention_mask (this rank's "
+                         f"block) instead")
 
 
 def _rope(module, kind):
@@ -125,8 +127,8 @@ def _project(module, hidden, position_embeddings, rope):
         q_states = module.q_b_proj(q_resid)
     q_states = q_states.view(batch, length, -1, module.qk_head_dim).transpose(1, 2)
     q_pass, q_rot = torch.split(q_states, [module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
-    kv_pass, k_rot = torch.split(module.kv_a_proj_with_mqa(hidden), [module.kv_lora_rank, module.qk_rope_head_dim],
-                                 dim=-1)
+    kv_pass, k_rot = torch.split(module.kv_a_proj_with_mqa(hidden),
+                                 [module.kv_lora_rank, module.qk_rope_head_dim], dim=-1)
     k_pass = module.kv_a_layernorm(kv_pass).view(batch, 1, length, module.kv_lora_rank)
     k_rot = k_rot.view(batch, 1, length, module.qk_rope_head_dim)
     cos, sin = position_embeddings
@@ -156,7 +158,8 @@ def _attend_mla(module, path, query, key, value, kwargs):
             out = hp_attention(q, k, v, is_causal=causal, scale=module.scaling, softcap=softcap, sinks=sinks,
                                window=window)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, scale=module.scaling)
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal,
+                                                 scale=module.scaling)
         return out.transpose(1, 2)
     with attention_masks(**masks) as active:
         return attend_gathered(query, key, value, path.mesh, call, path.load_balance, active)
@@ -179,12 +182,14 @@ def _attend_dsa(module, path, query, key, value, index_inputs, kwargs):
     hidden, q_resid, position_embeddings, position_ids = index_inputs
     check_attention_kwargs(module, kwargs)
     if any(x is not None for x in attention_variant(module, kwargs, key.shape[2])) or _dropout(module):
-        raise ValueError(f"parallelize_model: {type(module).__name__} (DeepSeek Sparse Attention) with attention "
-                         f"dropout, soft-capping, sinks or a window under context parallelism is not implemented")
+        raise ValueError(f"parallelize_model: {type(module).__name__} (DeepSeek Sparse Attention) with "
+                         f"attention dropout, soft-capping, sinks or a window under context parallelism is "
+                         f"not implemented")
     batch, _, rows, _ = query.shape
     total = key.shape[2]
     with attention_masks(**path.masks(position_ids)) as masks:
-        allowed = visible_keys(batch, path.mesh.get_local_rank() * rows, rows, total, masks, device=query.device)
+        start = path.mesh.get_local_rank() * rows   # this rank's contiguous block of query rows
+        allowed = visible_keys(batch, start, rows, total, masks, device=query.device)
     indices = module.indexer(hidden, q_resid, position_embeddings, allowed, position_ids,
                              cache=_GatheringIndexerCache(path.mesh))
     out = sparse_attention(query, key, value, allowed, selected_keys(indices, total), module.scaling)
@@ -217,14 +222,15 @@ def _latent_forward(module, path, kind):
 def _refuse_dsa(model, found, mode, tensor_parallel):
     dsa = [name for name, _, kind in found if kind == "dsa"]
     if dsa and mode != "allgather":
-        raise ValueError(f"parallelize_model: {type(model).__name__} uses DeepSeek Sparse Attention ({dsa[0]}), "
-                         f"whose top-k must be taken over the global keys, which context parallelism does only "
-                         f"in the all-gather mode; the {mode!r} mode was requested. Use the all-gather mode: "
-                         f"ulysses_degree=1 (kv_exchange='allgather', load_balance optional)")
+        raise ValueError(f"parallelize_model: {type(model).__name__} uses DeepSeek Sparse Attention "
+                         f"({dsa[0]}), whose top-k must be taken over the global keys, which context "
+                         f"parallelism does only in the all-gather mode; the {mode!r} mode was requested. "
+                         f"Use the all-gather mode: ulysses_degree=1 (kv_exchange='allgather', load_balance "
+                         f"optional)")
     if dsa and tensor_parallel:
-        raise ValueError(f"parallelize_model: {type(model).__name__} uses DeepSeek Sparse Attention ({dsa[0]}), "
-                         f"which context parallelism does not run together with tensor parallelism yet; use "
-                         f"a mesh without the 'tp' dim")
+        raise ValueError(f"parallelize_model: {type(model).__name__} uses DeepSeek Sparse Attention "
+                         f"({dsa[0]}), which context parallelism does not run together with tensor "
+                         f"parallelism yet; use a mesh without the 'tp' dim")
 
 
 def make_mla_exact(model, cp_mesh, cp_kwargs, tensor_parallel=False):

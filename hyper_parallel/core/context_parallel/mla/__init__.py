@@ -8,5 +8,5 @@ from hyper_parallel.core.context_parallel.mla.latent import (gather_latents, gat
 from hyper_parallel.core.context_parallel.mla.sparse import selected_keys, sparse_attention, visible_keys
 
 __all__ = ["attend_gathered", "gather_latents", "gather_sequence", "gather_sequence_no_grad",
-           "latent_gather_bytes", "latent_ratio", "per_head_gather_bytes", "selected_keys", "sparse_attention",
-           "visible_keys"]
+           "latent_gather_bytes", "latent_ratio", "per_head_gather_bytes", "selected_keys",
+           "sparse_attention", "visible_keys"]

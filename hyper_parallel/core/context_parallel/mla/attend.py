@@ -24,8 +24,8 @@ def _inputs(mesh, q, k, v):
     """The all-gather-KV inputs as mode.py describes them: q's block of a global sequence."""
     total = k.shape[SEQ]
     if q.shape[SEQ] * mesh.size() != total:
-        raise ValueError(f"attend_gathered: q holds {q.shape[SEQ]} tokens, k/v {total}; on {mesh.size()} CP ranks "
-                         f"q must be this rank's block of the gathered sequence")
+        raise ValueError(f"attend_gathered: q holds {q.shape[SEQ]} tokens, k/v {total}; on {mesh.size()} CP "
+                         f"ranks q must be this rank's block of the gathered sequence")
     shapes = [tuple(q.shape[:SEQ]) + (total,) + tuple(q.shape[SEQ + 1:]), tuple(k.shape), tuple(v.shape)]
     placements = [(Shard(SEQ),), (Replicate(),), (Replicate(),)]
     return _Inputs(mesh, [0], [q, k, v], placements, shapes, "plain", SEQ, HEAD)
