@@ -258,7 +258,8 @@ def _live_bytes(inputs):
 
 def _memory_case(rank, world, heads=((8, 8),)):
     """{(P, kernel, Hq, Hkv): peak live bytes of a ring fwd+bwd / single-device SDPA's} at a local
-    length of 64 tokens, for rings of 2 and world ranks (ranks outside a ring of 2 ring alone)."""
+    length of 64 tokens, for rings of 2 and world ranks (ranks outside a ring of 2 ring alone), and
+    the zigzag ring of world ranks."""
     import torch
     import torch.nn.functional as F
     from hyper_parallel import attention_masks
@@ -278,14 +279,15 @@ def _memory_case(rank, world, heads=((8, 8),)):
             return mem.peak
         single = peak(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True,
                                                                      enable_gqa=hkv != hq))
-        for P in (2, world):
+        for P, zigzag in ((2, False), (world, False), (world, True)):
             ranks = tuple(range(P)) if rank < P else (rank,)
-            layout = RingLayout(ranks, ranks.index(rank))
+            layout = RingLayout(ranks, ranks.index(rank), zigzag)
+            kind = "zigzag " if zigzag else ""
             ids = (torch.arange(L * len(ranks)) * 3 // (L * len(ranks))).unsqueeze(0)   # 3 documents
             with attention_masks(document_ids=ids, block_size=16) as masks:
-                ratios[(P, "unmasked", hq, hkv)] = peak(
+                ratios[(P, kind + "unmasked", hq, hkv)] = peak(
                     lambda a, b, c: ring_attention(a, b, c, layout, True)) / single
-                ratios[(P, "masked", hq, hkv)] = peak(
+                ratios[(P, kind + "masked", hq, hkv)] = peak(
                     lambda a, b, c: masked_ring_attention(a, b, c, layout, masks, True)) / single
             get_platform().barrier()
     return ratios
