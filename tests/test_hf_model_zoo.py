@@ -2,8 +2,8 @@
 parallelism (two AdamW steps: per-step loss, every weight) or is refused with a ValueError on every
 rank before any step — never a different model in silence. Gemma 2's soft-capping, gpt-oss's sinks
 and sliding windows shorter than the sequence train exactly in every mode (the linear-attention
-families: tests/test_cp_linear_attention_hf.py); what is not split yet (DeepSeek-V3.2's sparse
-attention) must be refused; a convolution over the sequence that nobody listed is found by
+families: tests/test_cp_linear_attention_hf.py); what a mode cannot split (DeepSeek-V3.2's sparse
+attention outside the all-gather mode: tests/test_cp_mla.py) must be refused; a convolution over the sequence that nobody listed is found by
 measurement, and a kernel-1 one (token-local) is not refused."""
 import pytest
 

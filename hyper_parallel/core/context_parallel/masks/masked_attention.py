@@ -121,7 +121,7 @@ def backward(grad_out, q, k, v, out, lse, masks, rows, q_span, k_span, causal, s
             dk[key] = fold_heads(dkb, groups).to(acc) + dk.get(key, 0)
             dv[key] = fold_heads(dvb, groups).to(acc) + dv.get(key, 0)
         dq.append(dqt)
-    dk_full, dv_full = (_assemble(parts, k, k_span, acc) for parts in (dk, dv))
+    dk_full, dv_full = (_assemble(parts, like, k_span, acc) for parts, like in ((dk, k), (dv, v)))
     return (dq[0] if len(dq) == 1 else platform.cat(dq, SEQ)), dk_full, dv_full
 
 
