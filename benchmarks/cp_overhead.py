@@ -29,6 +29,9 @@ def parse_args(argv=None):
     p.add_argument("--mode", default="ulysses", help="a mode with a raw form in benchmarks.cp_modes")
     p.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default 30)")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--peers", action="store_true",
+                   help="time the peers of the mode in the same rounds (ulysses: DeepSpeed's DistributedAttention "
+                        "and PyTorch DTensor, where importable)")
     args = p.parse_args(argv)
     for name in ("nproc", "seq", "heads", "head_dim", "rounds"):
         if getattr(args, name) < 1:
@@ -59,6 +62,11 @@ def _builds(args, mesh, fw):
     fns = {"framework": modes[names[0]].build(cfg, mesh, fw), "raw": modes[names[1]].build(cfg, mesh, fw)}
     if args.mode in RAW_FUSED:   # ContextParallel fuses q, k, v into one collective: time that by hand too
         fns["raw_fused"] = RAW_FUSED[args.mode](cfg, mesh, fw)
+    if args.peers:
+        from benchmarks.cp_peers import available_peers
+        for peer in available_peers(cfg):
+            if peer.formula_as == args.mode and not peer.forward_only:
+                fns[peer.name] = peer.build(cfg, mesh)
     return fns
 
 
@@ -113,6 +121,7 @@ def run_rank(args):
 def _report(args, world, result):
     ours = result["framework"]
     fused = result.pop("raw_fused", None)
+    peers = {name: result.pop(name) for name in list(result) if name not in ("framework", "raw")}
     ratios = {key: ours[key] / result["raw"][key] for key in ("fwd_ms", "fwd_bwd_ms")}
     print(f"{args.mode} at S={args.seq}, world {world}, interleaved medians of {args.rounds} rounds")
     print(f"{'':<34}{'fwd ms':>10}{'fwd+bwd ms':>12}")
@@ -128,6 +137,11 @@ def _report(args, world, result):
         data["ratio_to_raw_fused"] = {key: ours[key] / fused[key] for key in ("fwd_ms", "fwd_bwd_ms")}
         print(f"{'ratio to raw, one all-to-all':<34}{data['ratio_to_raw_fused']['fwd_ms']:>10.2f}"
               f"{data['ratio_to_raw_fused']['fwd_bwd_ms']:>12.2f}")
+    for name, row in peers.items():
+        ratio = {key: ours[key] / row[key] for key in ("fwd_ms", "fwd_bwd_ms")}
+        data.setdefault("peers", {})[name] = {**row, "ratio": ratio}
+        print(f"{name:<34}{row['fwd_ms']:>10.2f}{row['fwd_bwd_ms']:>12.2f}")
+        print(f"{'ratio to ' + name:<34}{ratio['fwd_ms']:>10.2f}{ratio['fwd_bwd_ms']:>12.2f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1)

@@ -16,6 +16,7 @@ cleanly (with the reason printed) otherwise.
   so that the row's "sent/rank" column is counted, not assumed.
 """
 import contextlib
+import inspect
 import sys
 from dataclasses import dataclass
 
@@ -50,12 +51,18 @@ class PeerMode(Mode):
 
 
 def _deepspeed_ulysses(cfg, mesh):
+    import deepspeed
     from deepspeed.sequence.layer import DistributedAttention
+    if not deepspeed.comm.is_initialized():   # its collectives go through its own comm layer
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
 
     def local_attention(q, k, v, *args, **kwargs):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         return F.scaled_dot_product_attention(q, k, v, is_causal=cfg.causal).transpose(1, 2)
-    return DistributedAttention(local_attention, mesh.get_group(0), scatter_idx=2, gather_idx=1)
+    attention = DistributedAttention(local_attention, mesh.get_group(0), scatter_idx=2, gather_idx=1)
+    if "batch_dim_idx" in inspect.signature(attention.forward).parameters:  # DeepSpeed >= 0.14 asks for it
+        return lambda q, k, v: attention(q, k, v, 0)
+    return attention
 
 
 def _torch_dtensor_ulysses(cfg, mesh):
