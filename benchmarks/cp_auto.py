@@ -4,7 +4,9 @@
 closed-form bytes and causal work are that mode's. ``--auto-sweep`` runs, for every configuration of
 ``--sweep-heads`` × (kv heads 1 and = heads) × ``--sweep-seqs`` × causal / not, each fixed mode and
 ``auto``, and prints per configuration the choice, the best fixed mode's time and auto's ratio to it,
-then how often auto was within 1.10× of the best and whether it was ever the slowest.
+then how often auto was within 1.10× of the best and whether it was ever the slowest: judged by the
+chosen mode's time in the fixed runs (the decision), and by auto's own row (timed after them, so it
+also carries the noise between two timings of one mode).
 """
 import copy
 import sys
@@ -84,18 +86,25 @@ def auto_sweep(args, make_bench, lead):
         auto = AutoMode()
         row = bench.run(auto)
         best = min(times, key=times.get)
+        # the chosen mode's own time in the fixed runs: the decision's quality, free of the noise
+        # between two separate timings of one mode (auto's own row is timed again, after them)
+        chosen_ms = times.get(auto.chosen(bench.world).name, row["fwd_bwd_ms"])
         result = dict(config, choice=auto.style.last_choice.mode, auto_ms=row["fwd_bwd_ms"], best=best,
                       best_ms=times[best], ratio=row["fwd_bwd_ms"] / times[best],
-                      slowest=row["fwd_bwd_ms"] >= max(times.values()) and len(times) > 1)
+                      choice_ratio=chosen_ms / times[best],
+                      slowest=chosen_ms >= max(times.values()) and len(times) > 1)
         results.append(result)
         if lead:
             print(f"H={config['heads']:>3} Hkv={config['kv_heads']:>3} S={config['seq']:>6} "
                   f"{'causal' if config['causal'] else 'full  '} auto -> {result['choice']:<18} "
                   f"{result['auto_ms']:9.2f} ms | best {best:<13} {result['best_ms']:9.2f} ms | "
-                  f"ratio {result['ratio']:.2f}", file=sys.stderr, flush=True)
+                  f"ratio {result['ratio']:.2f} (chosen mode's fixed run {result['choice_ratio']:.2f})",
+                  file=sys.stderr, flush=True)
     if lead and results:
+        n = len(results)
+        chose = sum(r["choice_ratio"] <= 1.10 for r in results)
         within = sum(r["ratio"] <= 1.10 for r in results)
-        print(f"auto within 1.10x of the best fixed mode: {within}/{len(results)} "
-              f"({100 * within / len(results):.0f} %); the slowest: {sum(r['slowest'] for r in results)} times",
-              flush=True)
+        print(f"auto's choice within 1.10x of the best fixed mode (their times in this run): {chose}/{n} "
+              f"({100 * chose / n:.0f} %); auto's own row within 1.10x: {within}/{n} ({100 * within / n:.0f} %); "
+              f"chose the slowest: {sum(r['slowest'] for r in results)} times", flush=True)
     return results
