@@ -8,8 +8,9 @@ torch.distributed.fsdp.fully_shard where it runs here. It prints, per rank:
 * parameter + gradient + AdamW state bytes, counted from the tensors each rank holds, beside
   total / N (SPEC §11: at most 1.05 × total / N plus two gathered units), and the RSS peak;
 * bytes sent in one training step, counted by CommDebugMode, beside the closed form
-  (N−1)/N · (3 · unit bytes + 2 · root bytes): every unit is gathered for forward and again for
-  backward and reduce-scattered once; the root keeps its parameters from forward to backward (as
+  (N−1)/N · (3 · unit bytes + 2 · root bytes) + the reduce-scatters' presence flags (one value per
+  parameter and rank): every unit is gathered for forward and again for backward and
+  reduce-scattered once; the root keeps its parameters from forward to backward (as
   FSDP2), so it is gathered once; with --no-reshard every unit is gathered once, 2 · P;
 * step time (forward + backward + fused AdamW), the three interleaved round by round, medians and
   ratios (this machine is shared and noisy: only ratios measured in one run mean anything).
@@ -112,13 +113,14 @@ def _setups(torch, args, mesh):
 
 
 def _closed_form(model, n, reshard):
-    """(N−1)/N · (3 · non-root unit bytes + 2 · root bytes); 2 · P without resharding."""
-    root = model._hp_fsdp_state.group.params
-    root_bytes = sum(p.padded_numel * n * 4 for p in root)
-    total = sum(p.padded_numel * n * 4 for m in model.modules() if getattr(m, "_hp_fsdp_state", None)
-                for p in m._hp_fsdp_state.group.params)
+    """(N−1)/N · (3 · non-root unit bytes + 2 · root bytes); 2 · P without resharding; plus each
+    reduce-scatter's presence flags, one fp32 per parameter and rank: (N−1) · 4 · parameters."""
+    groups = [m._hp_fsdp_state.group for m in model.modules() if getattr(m, "_hp_fsdp_state", None)]
+    root_bytes = sum(p.padded_numel * n * 4 for p in model._hp_fsdp_state.group.params)
+    total = sum(p.padded_numel * n * 4 for g in groups for p in g.params)
+    flags = (n - 1) * 4 * sum(len(g.params) for g in groups)
     units = total - root_bytes
-    return (n - 1) / n * ((3 if reshard else 2) * units + 2 * root_bytes), (n - 1) / n * 3 * total
+    return (n - 1) / n * ((3 if reshard else 2) * units + 2 * root_bytes) + flags, (n - 1) / n * 3 * total
 
 
 def run_rank(args):

@@ -131,7 +131,8 @@ class FSDPParam:
             self.accumulated = grad.to(reduce_dtype)
 
     def copy_grad_into(self, flat2d, grad):
-        """``grad`` into the padded blocks of the reduce-scatter input ([ranks, flat size], zeroed)."""
+        """``grad`` into the padded blocks of the reduce-scatter input ([ranks, flat size]); the
+        padding stays as it is (summed, never read)."""
         dst = flat2d[:, self.offset:self.offset + self.padded_numel]
         src = grad.reshape(-1)
         rows, pr, rn = self.unsharded_shape[0], self.padded_rows, self.row_numel
@@ -141,6 +142,10 @@ class FSDPParam:
         rest = (rows - full * pr) * rn
         if rest:
             dst[full, :rest].copy_(src[full * self.padded_numel:])
+
+    def zero_grad_slot(self, flat2d):
+        """Zeros in this parameter's blocks of the reduce-scatter input (no gradient on this rank)."""
+        flat2d[:, self.offset:self.offset + self.padded_numel].zero_()
 
     def set_sharded_grad(self, shard_flat):
         """This rank's reduced rows from the flat reduce-scatter output, as the DTensor gradient of

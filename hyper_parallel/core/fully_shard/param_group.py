@@ -27,7 +27,7 @@ class FSDPParamGroup:
         self.reshard_after_forward = True
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
-        self.ready = set()           # ids of parameters whose gradient this backward produced
+        self.backward_pending = False   # ran forward with gradients since its last reduction
         self.trainable = [p for p in params if p.requires_grad]
 
     def dtypes(self):
@@ -53,7 +53,8 @@ class FSDPParamGroup:
             return
         platform = get_platform()
         local = self.params[0].sharded._local_tensor
-        flat = platform.zeros((self.flat_numel,), dtype=self.dtypes()[0], device=local.device)
+        # not zero-filled: a slot's padding is gathered and dropped (copy_gathered_out reads real rows)
+        flat = platform.empty((self.flat_numel,), dtype=self.dtypes()[0], device=local.device)
         with platform.no_grad():
             for p in self.params:
                 p.copy_shard_into(flat)
@@ -85,36 +86,38 @@ class FSDPParamGroup:
         self.state = SHARDED
 
     # ------------------------------------------------------------------ gradients
-    def mark_ready(self, param_id):
-        """Called as each unsharded gradient is accumulated; True once every trainable parameter of
-        the unit has its gradient (the unit's backward is over)."""
-        self.ready.add(param_id)
-        return len(self.ready) == len(self.trainable)
-
     def reduce_grads(self):
         """Launch the reduce-scatter of this backward's gradients (or keep them unreduced under
-        set_requires_gradient_sync(False)). Parameters without a gradient on this rank send zeros."""
-        reduce_dtype = self.dtypes()[1]
-        ready = self.ready
-        self.ready = set()
-        if not ready or self._reduce is not None:
+        set_requires_gradient_sync(False)); once per backward. Every rank calls it for every unit
+        at the same point of backward (state.py), whatever gradients it holds, so the collectives
+        stay matched: a parameter without a gradient here sends zeros, and each row carries one
+        presence flag per parameter, so that a gradient some rank has reaches every rank's shard
+        (MoE experts a rank routed nothing to) while one no rank has stays None."""
+        if self._reduce is not None or not self.trainable:
             return
+        reduce_dtype = self.dtypes()[1]
         platform = get_platform()
         with platform.no_grad():
             if not self.requires_gradient_sync:
                 for p in self.trainable:
                     p.accumulate(reduce_dtype)
                 return
-            n = self.mesh_info.shard_size
-            flat = platform.zeros((n * self.flat_numel,), dtype=reduce_dtype,
+            n, width = self.mesh_info.shard_size, self.flat_numel + len(self.params)
+            # not zero-filled: padding sums land where set_sharded_grad never reads
+            flat = platform.empty((n * width,), dtype=reduce_dtype,
                                   device=self.params[0].sharded._local_tensor.device)
-            flat2d = flat.view(n, self.flat_numel)
+            flat2d = flat.view(n, width)
+            flags = flat2d[:, self.flat_numel:]
+            flags.zero_()
             with_grad = []
-            for p in self.trainable:
-                grad = p.take_grad()
-                if grad is not None:
-                    p.copy_grad_into(flat2d, grad)
-                    with_grad.append(p)
+            for i, p in enumerate(self.params):
+                grad = p.take_grad() if p.requires_grad else None
+                if grad is None:
+                    p.zero_grad_slot(flat2d)
+                    continue
+                p.copy_grad_into(flat2d, grad)
+                flags[:, i] = 1
+                with_grad.append(p)
             handle = platform.reduce_scatter(flat, self.mesh_info.shard_group, 0, op=self.op, async_op=True)
         self._reduce = (handle, with_grad)
 
@@ -133,6 +136,11 @@ class FSDPParamGroup:
         handle, with_grad = self._reduce
         self._reduce = None
         shard = handle.wait()
+        if len(with_grad) < len(self.trainable):
+            # a parameter had no gradient here: the summed flags say whether any rank had one (a
+            # host read, on this path only); one no rank reached keeps None, as in one process
+            flags = shard[self.flat_numel:].tolist()
+            with_grad = [p for p, flag in zip(self.params, flags) if p.requires_grad and flag > 0]
         with get_platform().no_grad():
-            for p in with_grad:   # a parameter no backward reached keeps no gradient, as in one process
+            for p in with_grad:
                 p.set_sharded_grad(shard)

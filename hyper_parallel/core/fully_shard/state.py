@@ -3,10 +3,14 @@
 Per unit, in forward: gather (waiting for a prefetched all-gather), issue the next unit's
 all-gather, compute, free (``reshard_after_forward``), and hook the outputs so that the first
 gradient reaching them re-gathers the unit (and issues the next unit's all-gather in backward
-order) before its backward computes. Each parameter's gradient-ready hook counts the unit's
-gradients; the last launches the unit's reduce-scatter and frees its parameters. The root (the
-outermost unit that runs) initialises everything lazily on its first forward (after ``to_empty``)
-and, at the end of every backward, waits for the reductions and hands out the sharded gradients.
+order) before its backward computes. Its inputs are hooked too: once backward has computed their
+gradients the unit's backward is over, and it launches the unit's reduce-scatter and frees its
+parameters. That point is the same on every rank, where "every parameter has its gradient" is not
+(data decides it: an MoE expert a rank routed nothing to), and the ranks' reduce-scatters must
+meet in one order. A unit whose inputs need no gradient (the root, a first layer) or that ran
+without them is reduced at the end of backward. The root (the outermost unit that runs)
+initialises everything lazily on its first forward (after ``to_empty``) and, at the end of every
+backward, launches what is left, waits for the reductions and hands out the sharded gradients.
 """
 from hyper_parallel.core.dtensor.dispatch.tree import tree_flatten
 from hyper_parallel.core.fully_shard.param_group import UNSHARDED
@@ -21,6 +25,8 @@ class FSDPState:
         self.schedule = None     # shared with the root once the root initialised
         self.is_root = False
         self._remove_grad_hooks = None
+        self._uses = 0           # forward calls whose backward (post-backward hook) is still to come
+        self._defer = False      # a call this step had no input to hook: reduce at the end of backward
         platform = get_platform()
         platform.register_forward_pre_hook(module, self._pre_forward, with_kwargs=True)
         platform.register_forward_hook(module, self._post_forward, with_kwargs=True)
@@ -47,7 +53,8 @@ class FSDPState:
                     by_id[id(p.unsharded)] = state.group
             self._grad_owner = by_id
             trainable = [p.unsharded for s in states for p in s.group.trainable]
-            self._remove_grad_hooks = platform.register_grad_ready_hooks(trainable, self._on_grad_ready,
+            # the hooks only queue the end-of-backward callback (a backward that skipped the root's output)
+            self._remove_grad_hooks = platform.register_grad_ready_hooks(trainable, lambda param: None,
                                                                          self._finish_backward)
 
     # ------------------------------------------------------------------ forward
@@ -65,6 +72,8 @@ class FSDPState:
         following = self.schedule.next_forward(self)
         if following is not None:
             following.group.unshard()    # overlaps this unit's compute
+        if get_platform().is_grad_enabled() and self.group.trainable:
+            self._hook_post_backward(args, kwargs)
         policy = self.group.policy
         if policy.param_dtype is not None and policy.cast_forward_inputs:
             args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
@@ -96,25 +105,39 @@ class FSDPState:
         if following is not None:
             following.group.unshard()
 
-    def _on_grad_ready(self, param):
-        group = self._grad_owner[id(param)]
-        if group.mark_ready(id(param)):
-            group.reduce_grads()
-            # every trainable parameter is done; frozen ones may still be read by backward
-            if group.reshard_after_backward and len(group.trainable) == len(group.params):
-                group.reshard()
+    def _hook_post_backward(self, args, kwargs):
+        platform = get_platform()
+        self.group.backward_pending = True
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if platform.is_tensor(t) and platform.requires_grad(t)]
+        if not inputs:
+            self._defer = True
+            return
+        self._uses += 1
+        platform.register_multi_grad_hook(inputs, self._post_backward, mode="all")
+
+    def _post_backward(self):
+        """Backward has computed the gradients of one call's inputs: that call's backward is over."""
+        self._uses -= 1
+        if self._uses > 0 or self._defer:   # another call's backward is still to come
+            return
+        self.group.reduce_grads()
+        if self.group.reshard_after_backward:
+            self.group.reshard()
 
     def _finish_backward(self):
-        """End of backward: launch what unused parameters held back, wait for every reduction in
-        launch order, hand out the sharded gradients, free what is still gathered."""
+        """End of backward: launch the reductions of the units that ran forward but were not reduced
+        yet (in the same unit order on every rank), wait for every reduction in launch order, hand
+        out the sharded gradients, free what is still gathered."""
         schedule = self.schedule
         if schedule is None:
             return
         schedule.pending_final = False
         groups = [s.group for s in schedule.states]
-        for group in groups:
-            if group.ready:
-                group.reduce_grads()
+        for state in schedule.states:
+            if state.group.backward_pending:
+                state.group.reduce_grads()
+            state.group.backward_pending = False
+            state._uses, state._defer = 0, False
         for group in groups:
             group.start_replicate_reduce()
         for group in groups:
