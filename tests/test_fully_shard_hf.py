@@ -55,3 +55,29 @@ def _case(rank, world_size, shape, names):
 def test_parallelize_model_dp_shard_and_tp():
     assert run_dist(2, _case, (2,), ("dp_shard",)) == [True] * 2
     assert run_dist(4, _case, (2, 2), ("dp_shard", "tp")) == [True] * 4
+
+
+def _zoo_case(rank, world_size, family):
+    """One family under dp_shard: its decoder layers found by transformers' _no_split_modules (GPT-2's
+    blocks live in transformer.h, not a 'layers' list), gradients and an SGD step equal to one process."""
+    import torch
+    from hyper_parallel import init_device_mesh
+    from hyper_parallel.integrations.transformers import parallelize_model
+    from tests.hf_zoo import tiny
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    model, ref = parallelize_model(tiny(family), mesh), tiny(family)
+    units = [type(m).__name__ for m in model.modules() if getattr(m, "_hp_fsdp_state", None) is not None]
+    assert units[1:] == sorted(model._no_split_modules) * (len(units) - 1), units
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    model(input_ids=_ids(rank), labels=_ids(rank)).loss.backward()
+    (sum(ref(input_ids=_ids(i), labels=_ids(i)).loss for i in range(world_size)) / world_size).backward()
+    opt.step()
+    ref_opt.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().full_tensor(), q.detach(), atol=1e-5, rtol=1e-5, msg=name)
+    return True
+
+
+def test_parallelize_model_dp_shard_finds_each_familys_layers():
+    for family in ("gpt2", "gpt_neox"):
+        assert run_dist(2, _zoo_case, family) == [True] * 2

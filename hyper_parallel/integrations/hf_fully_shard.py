@@ -33,13 +33,23 @@ def shard_mesh(mesh, dp_shard, cp):
 
 
 def decoder_layers(model):
-    """The model's decoder layers (``model.model.layers`` in the Llama family)."""
+    """The model's decoder layers: the outermost modules of the classes transformers keeps whole
+    (``_no_split_modules``: LlamaDecoderLayer, GPT2Block, ...), else the ``layers`` module list."""
     platform = get_platform()
+    whole = set(getattr(model, "_no_split_modules", None) or ())
+    found, prefixes = [], []
+    for name, module in platform.named_modules(model):
+        if name and type(module).__name__ in whole and not any(name.startswith(p) for p in prefixes):
+            found.append(module)
+            prefixes.append(name + ".")
+    if found:
+        return found
     for name, module in platform.named_modules(model):
         if name.split(".")[-1] == "layers" and hasattr(module, "__len__") and len(module):
             return list(module)
-    raise ValueError(f"parallelize_model(dp_shard=...): {type(model).__name__} has no 'layers' module list "
-                     f"to shard layer by layer; apply hyper_parallel.fully_shard to its blocks yourself")
+    raise ValueError(f"parallelize_model(dp_shard=...): {type(model).__name__} names no decoder-layer class "
+                     f"(_no_split_modules) and has no 'layers' module list to shard layer by layer; apply "
+                     f"hyper_parallel.fully_shard to its blocks yourself")
 
 
 def apply_fully_shard(model, mesh, dp_shard, cp, average=True):
