@@ -172,7 +172,7 @@ def run_rank(args):
         if lead and args.json:
             write_json(args.json, {"auto_sweep": sweep, "world": world, "config": vars(args)})
         platform.destroy_process_group()
-        return 0
+        return 1 if any(r["err"] > TOLERANCE[args.dtype] for r in sweep) else 0
     peers, no_peers = _peers(args, fw)
     wanted = [m.strip() for m in args.modes.split(",")]
     modes = [m for m in MODES if args.modes == "all" or m.name in wanted] + peers

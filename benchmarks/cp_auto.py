@@ -3,13 +3,16 @@
 ``auto`` runs ``ContextParallel(mode="auto")``; its row is named after the mode it chose, and its
 closed-form bytes and causal work are that mode's. ``--auto-sweep`` runs, for every configuration of
 ``--sweep-heads`` × (kv heads 1 and = heads) × ``--sweep-seqs`` × causal / not, each fixed mode and
-``auto``, and prints per configuration the choice, the best fixed mode's time and auto's ratio to it,
-then how often auto was within 1.10× of the best and whether it was ever the slowest: judged by the
-chosen mode's time in the fixed runs (the decision), and by auto's own row (timed after them, so it
-also carries the noise between two timings of one mode).
+``auto`` timed round-robin (interleaved), and prints per configuration the choice, the best fixed
+mode's time and auto's ratio to it, auto's error against one device, then how often auto was within
+1.10× of the best and whether it ever chose the slowest: judged by the chosen mode's time in the
+same rounds (the decision), and by auto's own time (the decision plus the noise between two timings
+of one mode). The sweep exits non-zero if auto's error exceeds the tolerance.
 """
 import copy
+import statistics
 import sys
+import time
 
 from benchmarks.cp_modes import MODES, SEQ, HEAD, Mode
 
@@ -72,6 +75,41 @@ def _configs(args):
                     yield {"heads": h, "kv_heads": kv, "seq": s, "causal": causal}
 
 
+def _prepare(bench, mode):
+    """The fwd+bwd closure of ``mode`` on this rank's blocks, or None where it cannot run here."""
+    if mode.supported(bench.args, bench.world, bench.fw):
+        return None
+    attn = mode.build(bench.args, bench.mesh, bench.fw)
+    blocks = [bench._block(t) for t in bench.full]
+    grad_block = bench._block(bench.grad_out)
+    return lambda: bench.fw.forward_backward(attn, blocks, grad_block)
+
+
+def _interleaved(bench, fns):
+    """Median fwd+bwd ms of each closure, timed round-robin: every round runs each once, so a change
+    of load on a shared machine hits them alike; the slowest rank's median."""
+    platform, samples = bench.platform, {name: [] for name in fns}
+    for i in range(bench.args.warmup + bench.args.iters):
+        for name, fn in fns.items():
+            platform.barrier()
+            platform.synchronize()
+            start = time.perf_counter()
+            fn()
+            platform.synchronize()
+            if i >= bench.args.warmup:
+                samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: bench._reduce(statistics.median(s), "max") for name, s in samples.items()}
+
+
+def _exact(bench, fn):
+    """auto's largest error (output and input gradients) against the one-device reference."""
+    out, grads = fn()
+    ref_out, ref_grads = bench.ref
+    err = max([bench.fw.max_abs_diff(out, bench._block(ref_out))] +
+              [bench.fw.max_abs_diff(g, bench._block(r)) for g, r in zip(grads, ref_grads)])
+    return bench._reduce(err, "max")
+
+
 def auto_sweep(args, make_bench, lead):
     """Rows of the sweep (see the module docstring); prints as it goes on the lead rank."""
     results = []
@@ -81,24 +119,25 @@ def auto_sweep(args, make_bench, lead):
             setattr(cfg, k, v)
         bench = make_bench(cfg)
         bench.reference()
-        fixed = [bench.run(m) for m in MODES if m.name in FIXED]
-        times = {r["mode"]: r["fwd_bwd_ms"] for r in fixed if not r.get("skipped")}
+        fns = {m.name: fn for m in MODES if m.name in FIXED and (fn := _prepare(bench, m)) is not None}
         auto = AutoMode()
-        row = bench.run(auto)
+        fns["auto"] = _prepare(bench, auto)
+        err = _exact(bench, fns["auto"])
+        times = _interleaved(bench, fns)
+        auto_ms = times.pop("auto")
         best = min(times, key=times.get)
-        # the chosen mode's own time in the fixed runs: the decision's quality, free of the noise
-        # between two separate timings of one mode (auto's own row is timed again, after them)
-        chosen_ms = times.get(auto.chosen(bench.world).name, row["fwd_bwd_ms"])
-        result = dict(config, choice=auto.style.last_choice.mode, auto_ms=row["fwd_bwd_ms"], best=best,
-                      best_ms=times[best], ratio=row["fwd_bwd_ms"] / times[best],
-                      choice_ratio=chosen_ms / times[best],
-                      slowest=chosen_ms >= max(times.values()) and len(times) > 1)
+        # the chosen mode's own time in the same rounds: the decision's quality (auto's own time
+        # differs from it by the noise between two timings of one mode)
+        chosen_ms = times.get(auto.chosen(bench.world).name, auto_ms)
+        result = dict(config, choice=auto.style.last_choice.mode, auto_ms=auto_ms, best=best,
+                      best_ms=times[best], ratio=auto_ms / times[best], choice_ratio=chosen_ms / times[best],
+                      slowest=chosen_ms >= max(times.values()) and len(times) > 1, err=err, times=times)
         results.append(result)
         if lead:
             print(f"H={config['heads']:>3} Hkv={config['kv_heads']:>3} S={config['seq']:>6} "
                   f"{'causal' if config['causal'] else 'full  '} auto -> {result['choice']:<18} "
-                  f"{result['auto_ms']:9.2f} ms | best {best:<13} {result['best_ms']:9.2f} ms | "
-                  f"ratio {result['ratio']:.2f} (chosen mode's fixed run {result['choice_ratio']:.2f})",
+                  f"{auto_ms:9.2f} ms | best {best:<13} {result['best_ms']:9.2f} ms | "
+                  f"ratio {result['ratio']:.2f} (chosen mode's time {result['choice_ratio']:.2f}) err {err:.1e}",
                   file=sys.stderr, flush=True)
     if lead and results:
         n = len(results)
