@@ -38,13 +38,24 @@ def aten_kind(func):
     name = func.overloadpacket.__name__
     if name.startswith("_foreach_"):
         return "foreach"
-    if torch.Tag.pointwise in func.tags:
+    if torch.Tag.pointwise in func.tags or _in_place_of_pointwise(func):
         return "pointwise"
     if func.is_view:
         return "view"
     if name in ("slice_backward", "select_backward"):
         return "index_backward"
     return None
+
+
+def _in_place_of_pointwise(func):
+    """``abs_``, ``mish_``, ``eq_``... : torch tags the out-of-place overload pointwise but not (all)
+    in-place ones; an in-place op writing self with a pointwise op's result is pointwise too."""
+    name = func.overloadpacket.__name__
+    if not name.endswith("_") or name.startswith("_"):
+        return False
+    packet = getattr(aten, name[:-1], None)
+    twin = getattr(packet, func._overloadname, None) if packet is not None else None
+    return twin is not None and torch.Tag.pointwise in twin.tags
 
 
 def foreach_to_single(func, args=None, kwargs=None):

@@ -24,7 +24,7 @@ from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
 from hyper_parallel.core.dtensor.ops import get_rule
 from hyper_parallel.core.dtensor.ops.advanced_index import prepare_indices
 from hyper_parallel.core.dtensor.ops.elementwise import to_input
-from hyper_parallel.core.dtensor.ops.registry import OpCall
+from hyper_parallel.core.dtensor.ops.registry import OpCall, aten_route
 from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.core.dtensor.spec import DTensorSpec
 from hyper_parallel.core.dtensor.dispatch.tree import tree_flatten, tree_unflatten
@@ -73,13 +73,15 @@ def route(func, kwargs):
     name = _names(func)
     written = [pos for pos, _ in get_platform().written_arguments(func)]
     base = name[:-1] if name.endswith("_") else name
-    rule = _RULE_OF.get(base)
+    rule, in_place = _RULE_OF.get(base), base in _IN_PLACE
+    if rule is None and aten_route(base) is not None:   # routes the rule modules register (ops/)
+        rule, in_place = aten_route(base)
     if rule is None and "out" in kwargs and get_platform().aten_kind(func) == "pointwise":
         rule = "elementwise"   # torch.add(a, b, out=c) and the like
     if rule is None or get_rule(rule) is None:
         return None
     if name.endswith("_"):
-        return (rule, _SELF) if written == [0] and base in _IN_PLACE else None
+        return (rule, _SELF) if written == [0] and in_place else None
     if written:
         return (rule, _OUT) if "out" in kwargs and len(written) == 1 else None
     return rule, _FUNCTION
@@ -175,9 +177,10 @@ def _run(func, mode, rule_name, mesh, target, leaves, structure):
 def _wrap_pieces(result, outputs, mesh, shapes):
     """The pieces of a multi-output op, each in its placements (one list per output, or the same
     placements for every output)."""
-    per = outputs if isinstance(outputs, list) else [outputs] * len(shapes)
-    return type(result)(DTensor._make(r, DTensorSpec(mesh, tuple(p), tuple(s)))
-                        for r, p, s in zip(result, per, shapes))
+    per = outputs if isinstance(outputs, list) else [outputs] * len(result)
+    shapes = iter(shapes)   # one per tensor: an output a mask turned off (None) has none
+    return type(result)(r if r is None else DTensor._make(r, DTensorSpec(mesh, tuple(p), tuple(next(shapes))))
+                        for r, p in zip(result, per))
 
 
 def _meta_shapes(functional, args, kwargs):

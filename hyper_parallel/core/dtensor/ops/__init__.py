@@ -3,6 +3,11 @@ from hyper_parallel.core.dtensor.ops.registry import OpCall, OpStrategy, get_rul
 from hyper_parallel.core.dtensor.ops import (  # noqa: F401  (registration side effects)
     addmm,
     advanced_index,
+    aten_embedding,
+    aten_layout_ops,
+    aten_norms,
+    aten_pointwise,
+    aten_spatial,
     attention,
     concat,
     dropout,

@@ -25,7 +25,7 @@ import itertools
 import math
 
 from hyper_parallel.core.dtensor.layout import local_box
-from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
+from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_aten, register_rule
 from hyper_parallel.core.dtensor.placement_types import Partial, Replicate
 from hyper_parallel.platform import get_platform
 
@@ -202,5 +202,10 @@ def _extreme_local(mesh, mesh_dims, op):
         return out
     return extreme_over_shards
 
+
+# the aten forms (reached below autograd, e.g. in the backward of cumprod or group norm) take the same
+# arguments in the same positions (``amax(self, dim=[])``: [] is every dim, as reduced_dims reads it)
+for _name in ("mean", "amax", "amin", "max", "min"):
+    register_aten(_name, _name)
 
 __all__ = ["reduced_dims", "output_dim", "combined_reduction_layout", "reduction_rule", "max_min_rule"]

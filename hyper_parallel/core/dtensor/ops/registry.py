@@ -28,6 +28,25 @@ def register_rule(*names, cacheable=True):
     return decorator
 
 
+_ATEN_ROUTES = {}   # aten op name -> (rule name, whether its in-place form ``name_`` writes self)
+
+
+def register_aten(rule_name, *aten_names, in_place=False):
+    """Run the aten ops ``aten_names`` (packet names, without a trailing ``_``) through the rule
+    ``rule_name`` when they reach DTensors below autograd (ops with no user-level spelling the
+    platform maps, and the backward ops autograd runs on DTensors). ``in_place``: the op's
+    ``name_`` form writes self with the op's result, so it may run through the rule too."""
+    for name in aten_names:
+        if name in _ATEN_ROUTES:
+            raise ValueError(f"aten op {name!r} is already routed to {_ATEN_ROUTES[name][0]!r}")
+        _ATEN_ROUTES[name] = (rule_name, in_place)
+
+
+def aten_route(aten_name):
+    """(rule name, in-place form allowed) registered for an aten op, or None."""
+    return _ATEN_ROUTES.get(aten_name)
+
+
 def is_cacheable(name):
     return name not in _UNCACHEABLE
 
