@@ -33,6 +33,7 @@ _EXPLICIT = {
     "split": [torch.split, torch.Tensor.split],
     "chunk": [torch.chunk, torch.Tensor.chunk],
     "unbind": [torch.unbind, torch.Tensor.unbind],
+    "tensor_split": [torch.tensor_split, torch.Tensor.tensor_split],
     "narrow": [torch.narrow, torch.Tensor.narrow],
     "getitem": [torch.Tensor.__getitem__],
     "cat": [torch.cat, torch.concat, torch.concatenate],

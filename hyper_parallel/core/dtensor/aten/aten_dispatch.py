@@ -131,6 +131,10 @@ def _fill(func, args, kwargs):
 
 
 def _pointwise(func, args, kwargs):
+    if _is_inplace(func) and not isinstance(args[0], DTensor):
+        # a plain tensor written with DTensor operands (``t.mul_(dt)``): it holds the full value on
+        # every rank, which the fallback computes from the gathered operands
+        return _fallback(func, args, kwargs)
     leaves, structure = tree_flatten((args, kwargs))
     mesh = common_mesh(leaves, _op_name(func))
     specs = [_as_spec(x, mesh) for x in leaves]

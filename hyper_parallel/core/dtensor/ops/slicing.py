@@ -51,6 +51,18 @@ def split_rule(call):
     return OpStrategy(inputs=[inputs], outputs=outputs, local=local)
 
 
+@register_rule("tensor_split")
+def tensor_split_rule(call):
+    """tensor_split with a DTensor of split indices: torch reads the indices' values from memory
+    on the host, which a DTensor wrapper does not have (torch would fail with an unallocated-data
+    error); every other spelling goes down to the aten split / slice ops (None)."""
+    second = call.arg(1, "indices_or_sections", call.kwargs.get("sections", call.kwargs.get("indices")))
+    if call.index(second) is not None:
+        raise ValueError("tensor_split: indices_or_sections is a DTensor, whose values torch would read "
+                         "on the host; pass its values instead (dt.full_tensor(), or a list of ints)")
+    return None
+
+
 @register_rule("unbind")
 def unbind_rule(call):
     spec = _source(call)
