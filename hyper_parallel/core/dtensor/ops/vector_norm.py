@@ -16,7 +16,7 @@ import math
 
 from hyper_parallel.core.dtensor.ops.logsumexp import split_reduction_layout
 from hyper_parallel.core.dtensor.ops.reductions import reduced_dims
-from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
+from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_aten, register_rule
 from hyper_parallel.core.dtensor.ops.whole_dim import gather_dims
 from hyper_parallel.platform import get_platform
 
@@ -97,3 +97,7 @@ def _combined_local(mesh, mesh_dims, reduced, keepdim, order):
 
 
 __all__ = ["norm_rule", "vector_norm_rule"]
+
+# the aten op (reached below autograd: matrix_norm, normalize, cosine_similarity) takes
+# torch.linalg.vector_norm's arguments in the same positions
+register_aten("vector_norm", "linalg_vector_norm")
