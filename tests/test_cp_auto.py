@@ -159,3 +159,31 @@ def test_parallelize_model_cp_mode_auto():
     pytest.importorskip("transformers")
     results = run_dist(2, _hf_auto)
     assert all(r == results[0] for r in results)
+
+
+def test_contention_and_overlap_calibrate_imbalance_and_the_rings_hops(tmp_path):
+    """Where ranks share cores (contention 2: a rank computing alone runs twice as fast), all-gather's
+    causal imbalance of 1.75 at P = 4 costs nothing, so load balancing is not predicted faster; with
+    their own devices it is. Where a transfer cannot hide under compute (overlap 0), the ring pays
+    compute + hops; where it hides fully (overlap 1), the larger of the two. An older calibration
+    file without these numbers still loads (both default to dedicated devices)."""
+    import json
+    from hyper_parallel.core.context_parallel.auto.calibration import Machine
+    from hyper_parallel.core.context_parallel.auto.cost_model import CallShape, Candidate, predict
+    shape = CallShape(1, 4096, 4096, 8, 8, 64, 64, 4, True)
+    plain, balanced = Candidate("allgather", 1, "allgather", False), Candidate("allgather-lb", 1, "allgather", True)
+    ring = Candidate("ring", 1, "ring", False)
+
+    def machine(**kw):
+        return Machine(flops=1e9, ds_bandwidth=1e9, ds_latency=0.0, co_bandwidth=1e9, co_latency=0.0, **kw)
+    for contention, lb_faster in ((1.0, True), (2.0, False)):
+        m = machine(contention=contention)
+        assert (predict(shape, 4, balanced, m)[0] < predict(shape, 4, plain, m)[0]) == lb_faster, contention
+    shared, hidden = predict(shape, 4, ring, machine(overlap=0.0))[0], predict(shape, 4, ring, machine(overlap=1.0))[0]
+    gathered = predict(shape, 4, plain, machine())[0]   # the same compute, the hops' bytes / 1.5
+    assert shared > gathered > hidden
+    old = tmp_path / "old.json"
+    values = {"flops": 1e9, "ds_bandwidth": 1e9, "ds_latency": 0.0, "co_bandwidth": 1e9, "co_latency": 0.0}
+    old.write_text(json.dumps(values))
+    loaded = Machine.load(str(old))
+    assert loaded.contention == 1.0 and loaded.overlap == 1.0

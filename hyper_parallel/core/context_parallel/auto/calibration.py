@@ -3,7 +3,9 @@
 A short calibration runs on the CP mesh the first time ``mode="auto"`` meets it: all-reduces of a
 few bytes (latency) and of a few MB (bandwidth) within the groups the hybrid's Ulysses part would
 use ("ds": adjacent ranks) and its gather part ("co": strided ranks), a small attention for the
-compute rate, and each mode once on a tiny input: what a call costs beyond its compute and bytes
+compute rate (with every rank computing, and on rank 0 alone: whether ranks share cores), the same
+attention beside an all-reduce in flight (how much of a transfer hides under compute), and each
+mode once on a tiny input: what a call costs beyond its compute and bytes
 (kernel launches, the ring's steps, the framework's own work) — at short sequences that decides. Every rank then takes the slowest rank's value (one all-reduce), so every rank ranks
 the candidates alike and makes the same choice. ``python -m benchmarks.cp_attention --calibrate
 PATH`` writes the same numbers to a JSON file that ``ContextParallel(mode="auto", calibration=PATH)``
@@ -29,6 +31,13 @@ class Machine:
     co_bandwidth: float          # strided ranks
     co_latency: float
     overheads: tuple = ()        # (mode family, seconds of a forward + backward of a tiny call)
+    # the kernel's time with every rank computing / with one rank computing alone: 1 where each rank
+    # has its own device, above 1 where ranks share cores (then a rank's idle time speeds the others
+    # and imbalance up to this factor costs nothing)
+    contention: float = 1.0
+    # the share of a collective hidden under compute running beside it: 1 where the transfer has its
+    # own engine (the ring then pays max(compute, communication)), 0 where it competes for the cores
+    overlap: float = 1.0
 
     def overhead(self, family):
         found = dict(self.overheads)
@@ -50,13 +59,15 @@ class Machine:
     def load(cls, path):
         with open(path) as f:
             values = json.load(f)
-        numbers = [k for k in cls.__dataclass_fields__ if k != "overheads"]
+        optional = ("overheads", "contention", "overlap")   # files written before they were measured
+        numbers = [k for k in cls.__dataclass_fields__ if k not in optional]
         missing = [k for k in numbers if k not in values]
         if missing:
             raise ValueError(f"calibration file {path} lacks {missing}; write it with python -m "
                              f"benchmarks.cp_attention --calibrate {path}")
         overheads = tuple(sorted((str(k), float(v)) for k, v in values.get("overheads", {}).items()))
-        return cls(**{k: float(values[k]) for k in numbers}, overheads=overheads)
+        extra = {k: float(values[k]) for k in optional[1:] if k in values}
+        return cls(**{k: float(values[k]) for k in numbers}, overheads=overheads, **extra)
 
 
 def machine_for(mesh, path=None, make_style=None):
@@ -72,10 +83,13 @@ def machine_for(mesh, path=None, make_style=None):
 
 
 def _seconds(run, repeats=3):
+    platform = get_platform()
     run()   # warm-up: first-call costs are not the machine's
+    platform.synchronize()   # accelerators run kernels asynchronously: time them, not their launch
     start = time.perf_counter()
     for _ in range(repeats):
         run()
+    platform.synchronize()
     return (time.perf_counter() - start) / repeats
 
 
@@ -103,26 +117,60 @@ def measure(mesh, nbytes=1 << 22, make_style=None):
     platform = get_platform()
     families = _families(mesh.size()) if make_style is not None else []
     ds, co = _groups(mesh)
-    values = [1.0, 0.0, 0.0, 0.0, 0.0]   # seconds per GFLOP, then per-byte and latency per group
-    values[0] = _kernel_seconds_per_flop(platform)
+    values = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]   # s/flop, per-byte and latency per group, contention,
+    values[0] = _kernel_seconds_per_flop(platform)  # hidden share (negated: the all-reduce takes the max)
     for i, group in enumerate((ds, co)):
         if group is not None:
             latency, full = _group_timing(platform, group, nbytes)
             # an all-reduce moves about 2·(n−1)/n of the buffer per rank: 1 for a pair
             values[1 + 2 * i], values[2 + 2 * i] = full / nbytes, latency
+    if co is not None:
+        values[5] = _contention(platform, mesh)
+        values[6] = -_overlap(platform, co, nbytes)
     values += [_mode_seconds(make_style(**kwargs), mesh) for _, kwargs in families]
     slowest = platform.all_reduce(platform.tensor(values, dtype=platform.float32()), mesh.get_group(0), "max",
                                    tag="calibration")
     v = [float(x) for x in slowest.tolist()]
     return Machine(flops=1.0 / v[0], ds_bandwidth=1.0 / max(v[1], 1e-15), ds_latency=v[2],
-                   co_bandwidth=1.0 / max(v[3], 1e-15), co_latency=v[4],
-                   overheads=tuple((name, seconds) for (name, _), seconds in zip(families, v[5:])))
+                   co_bandwidth=1.0 / max(v[3], 1e-15), co_latency=v[4], contention=v[5], overlap=-v[6],
+                   overheads=tuple((name, seconds) for (name, _), seconds in zip(families, v[7:])))
+
+
+def _kernel(platform, size=256, dim=64):
+    q = platform.zeros((1, 4, size, dim), dtype=platform.float32())
+    return lambda: platform.sdpa(q, q, q, is_causal=False)
+
+
+def _contention(platform, mesh):
+    """The kernel's time with every rank running it over rank 0's alone (the others waiting in a
+    barrier); 1 on the other ranks (the all-reduce's max keeps rank 0's)."""
+    kernel, group = _kernel(platform), mesh.get_group(0)
+    repeats = 48   # long enough (tens of ms on a CPU) that the ranks' runs overlap in time
+    platform.barrier(group)
+    alone = _seconds(kernel, repeats) if mesh.get_local_rank(0) == 0 else None
+    platform.barrier(group)
+    together = _seconds(kernel, repeats)
+    return max(together / alone, 1.0) if alone else 1.0
+
+
+def _overlap(platform, group, nbytes):
+    """The share of an all-reduce of ``nbytes`` hidden under the kernel run while it travels:
+    (compute + transfer − both) / the shorter of the two, in [0, 1]."""
+    kernel = _kernel(platform)
+    buffer = platform.zeros((max(nbytes // 4, 1),), dtype=platform.float32())
+    compute = _seconds(kernel)
+    transfer = _seconds(lambda: platform.all_reduce(buffer, group, tag="calibration"))
+
+    def both():
+        handle = platform.all_reduce(buffer, group, async_op=True, tag="calibration")
+        kernel()
+        handle.wait()
+    hidden = (compute + transfer - _seconds(both)) / max(min(compute, transfer), 1e-9)
+    return min(max(hidden, 0.0), 1.0)
 
 
 def _kernel_seconds_per_flop(platform, size=256, dim=64):
-    q = platform.zeros((1, 4, size, dim), dtype=platform.float32())
-    seconds = _seconds(lambda: platform.sdpa(q, q, q, is_causal=False))
-    return seconds / (4 * 4 * size * size * dim)
+    return _seconds(_kernel(platform, size, dim)) / (4 * 4 * size * size * dim)
 
 
 def _families(cp):

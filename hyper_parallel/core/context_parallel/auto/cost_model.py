@@ -5,11 +5,15 @@ time = compute + communication, per rank, on the slowest rank:
   backward; half of it causal) divided over the P ranks, times the mode's causal imbalance — the
   rank holding the last query block does (2P−1)/P of the average in all-gather KV without load
   balancing, and the plain ring's lock-step steps cost the same; Ulysses, load balancing and zigzag
-  are balanced — at the calibrated rate;
+  are balanced — at the calibrated rate; where ranks share cores (calibrated contention c: the
+  kernel's time with every rank computing over one rank's alone) a rank's idle time speeds the
+  others, so imbalance costs only beyond c;
 - communication: the closed forms of docs/context_parallel.md (bytes per rank, forward; backward
   the same, the ring's twice) over the calibrated bandwidth of the mesh dim they use, plus one
   latency per collective step (the ring: P−1 hops each way); the ring overlaps its hops with block
-  compute, so it pays max(compute, communication) rather than the sum;
+  compute, so it pays compute + communication − o · min(compute, communication), o the calibrated
+  share of a transfer that hides under compute (1 where transfers have their own engine: the max of
+  the two; 0 where they compete for the cores: the sum);
 - overhead: what one call of the mode costs beyond that (kernel launches, the ring's steps, the
   framework's own work), calibrated on a tiny input — at short sequences it decides;
 - memory: the k/v a rank holds (all-gather KV: the whole sequence of k and v; Ulysses: all tokens of
@@ -72,7 +76,9 @@ def _compute_seconds(shape, cp, candidate, machine):
     if shape.causal and not candidate.load_balance and candidate.ulysses_degree < cp:
         co = cp // candidate.ulysses_degree
         imbalance = (2 * co - 1) / co
-    return flops / cp * imbalance / machine.flops
+    # ranks sharing cores: the average rank's work at the shared rate (machine.flops), or the
+    # busiest rank's at the rate it gets while the others idle, whichever is longer
+    return flops / cp * max(imbalance / machine.contention, 1.0) / machine.flops
 
 
 def _elements(shape, cp, candidate):
@@ -104,8 +110,8 @@ def predict(shape, cp, candidate, machine):
     backward = 2.0 if candidate.kv_exchange == "ring" else 1.0
     u_time = 2 * (ulysses * size / machine.bandwidth("ds") + u_steps * machine.latency("ds"))
     g_time = (1 + backward) * (gather * size / machine.bandwidth("co") + g_steps * machine.latency("co"))
-    if candidate.kv_exchange == "ring":
-        seconds = u_time + max(compute, g_time)
+    if candidate.kv_exchange == "ring":   # the hops hide under block compute, as far as they can
+        seconds = u_time + compute + g_time - machine.overlap * min(compute, g_time)
     else:
         seconds = compute + u_time + g_time
     return seconds + machine.overhead(family(candidate)), _held_bytes(shape, cp, candidate)
