@@ -51,6 +51,10 @@ class MindSporeOps:
     def cumprod(a, dim):
         return ops.cumprod(a, dim)
 
+    @staticmethod
+    def trace(a):
+        return ops.trace(a)
+
 
 class MindSporeAdapter:
     name = "mindspore"

@@ -47,6 +47,10 @@ class TorchOps:
     def cumprod(a, dim):
         return torch.cumprod(a, dim)
 
+    @staticmethod
+    def trace(a):
+        return torch.trace(a)
+
 
 class TorchAdapter:
     """The interface every adapter implements; values cross it as numpy arrays."""
