@@ -13,6 +13,7 @@ PATH`` writes the same numbers to a JSON file that ``ContextParallel(mode="auto"
 """
 import json
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -82,15 +83,20 @@ def machine_for(mesh, path=None, make_style=None):
     return _MEASURED[key]
 
 
-def _seconds(run, repeats=3):
+def _seconds(run, repeats=1, samples=5):
+    """Seconds per ``run()``: the median of ``samples`` timings of ``repeats`` runs each (a median,
+    so that one disturbed sample on a shared machine does not steer every later choice)."""
     platform = get_platform()
     run()   # warm-up: first-call costs are not the machine's
-    platform.synchronize()   # accelerators run kernels asynchronously: time them, not their launch
-    start = time.perf_counter()
-    for _ in range(repeats):
-        run()
-    platform.synchronize()
-    return (time.perf_counter() - start) / repeats
+    timings = []
+    for _ in range(samples):
+        platform.synchronize()   # accelerators run kernels asynchronously: time them, not their launch
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        platform.synchronize()
+        timings.append((time.perf_counter() - start) / repeats)
+    return statistics.median(timings)
 
 
 def _group_timing(platform, group, nbytes):
@@ -118,14 +124,13 @@ def measure(mesh, nbytes=1 << 22, make_style=None):
     families = _families(mesh.size()) if make_style is not None else []
     ds, co = _groups(mesh)
     values = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]   # s/flop, per-byte and latency per group, contention,
-    values[0] = _kernel_seconds_per_flop(platform)  # hidden share (negated: the all-reduce takes the max)
+    values[0], values[5] = _compute(platform, mesh)   # hidden share (negated: the all-reduce takes the max)
     for i, group in enumerate((ds, co)):
         if group is not None:
             latency, full = _group_timing(platform, group, nbytes)
             # an all-reduce moves about 2·(n−1)/n of the buffer per rank: 1 for a pair
             values[1 + 2 * i], values[2 + 2 * i] = full / nbytes, latency
     if co is not None:
-        values[5] = _contention(platform, mesh)
         values[6] = -_overlap(platform, co, nbytes)
     values += [_mode_seconds(make_style(**kwargs), mesh) for _, kwargs in families]
     slowest = platform.all_reduce(platform.tensor(values, dtype=platform.float32()), mesh.get_group(0), "max",
@@ -141,16 +146,18 @@ def _kernel(platform, size=256, dim=64):
     return lambda: platform.sdpa(q, q, q, is_causal=False)
 
 
-def _contention(platform, mesh):
-    """The kernel's time with every rank running it over rank 0's alone (the others waiting in a
-    barrier); 1 on the other ranks (the all-reduce's max keeps rank 0's)."""
-    kernel, group = _kernel(platform), mesh.get_group(0)
-    repeats = 48   # long enough (tens of ms on a CPU) that the ranks' runs overlap in time
+def _compute(platform, mesh, size=256, dim=64):
+    """(seconds per flop with every rank computing at once, contention): the kernel's time with
+    every rank running it over rank 0's alone while the others wait in a barrier (1 on the other
+    ranks; the all-reduce's max keeps rank 0's)."""
+    kernel, group = _kernel(platform, size, dim), mesh.get_group(0)
+    # about 50 ms a timing, so that the ranks' runs overlap in time despite uneven barrier exits
+    repeats = min(max(int(0.05 / max(_seconds(kernel), 1e-6)), 4), 2000)
     platform.barrier(group)
-    alone = _seconds(kernel, repeats) if mesh.get_local_rank(0) == 0 else None
+    alone = _seconds(kernel, repeats) if mesh.get_local_rank(0) == 0 and mesh.size() > 1 else None
     platform.barrier(group)
     together = _seconds(kernel, repeats)
-    return max(together / alone, 1.0) if alone else 1.0
+    return together / (4 * 4 * size * size * dim), (max(together / alone, 1.0) if alone else 1.0)
 
 
 def _overlap(platform, group, nbytes):
@@ -167,10 +174,6 @@ def _overlap(platform, group, nbytes):
         handle.wait()
     hidden = (compute + transfer - _seconds(both)) / max(min(compute, transfer), 1e-9)
     return min(max(hidden, 0.0), 1.0)
-
-
-def _kernel_seconds_per_flop(platform, size=256, dim=64):
-    return _seconds(_kernel(platform, size, dim)) / (4 * 4 * size * size * dim)
 
 
 def _families(cp):
