@@ -5,7 +5,9 @@ frozen parameter stays frozen, and units are reduced at the same point of backwa
 (after their inputs' gradients), not when "every parameter has its gradient" (which data decides):
 two same-shaped units complete in different orders on the two ranks otherwise, and their
 reduce-scatters would meet the wrong partner. A unit called twice in one forward reduces after both
-calls' backward. Two AdamW steps against one process."""
+calls' backward; under activation checkpointing (reentrant: the recomputation's own backward pass
+ends inside the step's) the step's end is the outer backward's. Two AdamW steps against one
+process."""
 from tests.harness import run_dist
 
 
@@ -71,6 +73,24 @@ def _twice_net():
     return Twice()
 
 
+def _checkpointed_net(reentrant):
+    import torch
+    from torch.utils.checkpoint import checkpoint
+    from tests import fully_shard_models as fm
+
+    class Checkpointed(fm.Net):
+        """Each block under activation checkpointing: recomputed in backward, which (reentrant)
+        runs a backward pass of its own inside the step's."""
+
+        def forward(self, x):
+            h = self.inp(x)
+            for block in self.blocks:
+                h = checkpoint(block, h, use_reentrant=reentrant)
+            return self.head(h)
+    torch.manual_seed(0)
+    return Checkpointed()
+
+
 def _routing_cases(rank, world_size):
     from hyper_parallel import init_device_mesh
     from tests.test_fully_shard import _train, _zero3
@@ -84,8 +104,11 @@ def _routing_cases(rank, world_size):
     for reshard in (True, False):
         _train(_zero3(mesh, reshard_after_forward=reshard), rank, world_size, model_fn=_twice_net,
                what=f"unit called twice (reshard_after_forward={reshard})")
+    for reentrant in (True, False):
+        _train(_zero3(mesh), rank, world_size, model_fn=lambda: _checkpointed_net(reentrant),
+               what=f"activation checkpointing (reentrant={reentrant})")
     return True
 
 
-def test_routed_experts_frozen_parameters_and_repeated_units_train_like_one_process():
+def test_routed_experts_frozen_parameters_repeated_and_checkpointed_units_train_like_one_process():
     assert run_dist(2, _routing_cases, timeout=120) == [True, True]

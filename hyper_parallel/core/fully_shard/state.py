@@ -3,15 +3,16 @@
 Per unit, in forward: gather (waiting for a prefetched all-gather), issue the next unit's
 all-gather, compute, free (``reshard_after_forward``), and hook the outputs so that the first
 gradient reaching them re-gathers the unit (and issues the next unit's all-gather in backward
-order) before its backward computes. Its inputs are hooked too: once backward has computed their
-gradients the unit's backward is over, and it launches the unit's reduce-scatter and frees its
-parameters. That point is the same on every rank, where "every parameter has its gradient" is not
+order) before its backward computes. Its inputs pass one identity autograd node too: once
+backward reaches it the unit's backward is over, and it launches the unit's reduce-scatter and
+frees its parameters. That point is the same on every rank, where "every parameter has its gradient" is not
 (data decides it: an MoE expert a rank routed nothing to), and the ranks' reduce-scatters must
 meet in one order. A unit whose inputs need no gradient (the root, a first layer) or that ran
 without them is reduced at the end of backward. The root (the outermost unit that runs)
 initialises everything lazily on its first forward (after ``to_empty``) and, at the end of every
 backward, launches what is left, waits for the reductions and hands out the sharded gradients.
 """
+from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.dtensor.dispatch.tree import tree_flatten
 from hyper_parallel.core.fully_shard.param_group import UNSHARDED
 from hyper_parallel.core.fully_shard.schedule import Schedule
@@ -55,7 +56,7 @@ class FSDPState:
             trainable = [p.unsharded for s in states for p in s.group.trainable]
             # the hooks only queue the end-of-backward callback (a backward that skipped the root's output)
             self._remove_grad_hooks = platform.register_grad_ready_hooks(trainable, lambda param: None,
-                                                                         self._finish_backward)
+                                                                         self._finish_unless_queued)
 
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, module, args, kwargs):
@@ -73,7 +74,7 @@ class FSDPState:
         if following is not None:
             following.group.unshard()    # overlaps this unit's compute
         if get_platform().is_grad_enabled() and self.group.trainable:
-            self._hook_post_backward(args, kwargs)
+            args, kwargs = self._hook_post_backward(args, kwargs)
         policy = self.group.policy
         if policy.param_dtype is not None and policy.cast_forward_inputs:
             args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
@@ -106,14 +107,21 @@ class FSDPState:
             following.group.unshard()
 
     def _hook_post_backward(self, args, kwargs):
+        """Route the call's inputs that need a gradient through one identity autograd node whose
+        backward runs ``_post_backward``. Its backward comes after every node of the unit's own
+        backward, the accumulation of the parameters' gradients included (autograd runs those
+        first), also where an input is a leaf (a hook on a leaf could run before them)."""
         platform = get_platform()
         self.group.backward_pending = True
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if platform.is_tensor(t) and platform.requires_grad(t)]
-        if not inputs:
+        found = []
+        _map_grad_tensors((args, kwargs), found.append)
+        if not found:
             self._defer = True
-            return
+            return args, kwargs
         self._uses += 1
-        platform.register_multi_grad_hook(inputs, self._post_backward, mode="all")
+        routed = _POST_BACKWARD(self, *found)
+        routed = iter(routed if isinstance(routed, tuple) else (routed,))
+        return _map_grad_tensors((args, kwargs), lambda t: next(routed))
 
     def _post_backward(self):
         """Backward has computed the gradients of one call's inputs: that call's backward is over."""
@@ -123,6 +131,14 @@ class FSDPState:
         self.group.reduce_grads()
         if self.group.reshard_after_backward:
             self.group.reshard()
+
+    def _finish_unless_queued(self):
+        """The hooks' end-of-backward callback, queued for every backward pass that produces a
+        gradient: a reentrant activation checkpoint's recomputation runs a backward of its own
+        inside the outer one, and its end is not the step's. Where the root's output queued the
+        callback on the outer backward, that one finishes."""
+        if self.schedule is not None and not self.schedule.pending_final:
+            self._finish_backward()
 
     def _finish_backward(self):
         """End of backward: launch the reductions of the units that ran forward but were not reduced
@@ -145,6 +161,33 @@ class FSDPState:
         for group in groups:
             if group.reshard_after_backward:
                 group.reshard()
+
+
+def _map_grad_tensors(tree, fn):
+    """``tree`` with each tensor that needs a gradient replaced by ``fn(tensor)``, inside plain
+    tuples, lists and dicts only (their subclasses, a model's output classes, stay as they are)."""
+    platform = get_platform()
+    if type(tree) in (tuple, list):
+        return type(tree)(_map_grad_tensors(x, fn) for x in tree)
+    if type(tree) is dict:
+        return {k: _map_grad_tensors(v, fn) for k, v in tree.items()}
+    if platform.is_tensor(tree) and platform.requires_grad(tree):
+        return fn(tree)
+    return tree
+
+
+def _identity_forward(ctx, state, *tensors):
+    ctx.state = state
+    out = tuple(t.view_as(t) for t in tensors)
+    return out if len(out) > 1 else out[0]
+
+
+def _identity_backward(ctx, *grads):
+    ctx.state._post_backward()
+    return (None,) + grads
+
+
+_POST_BACKWARD = lazy_autograd_function("FullyShardPostBackward", _identity_forward, _identity_backward)
 
 
 def _cast_floating(tree, dtype):

@@ -41,7 +41,7 @@ class MindSporeFullyShardSupport:
         raise _not_needed("alloc_storage")
 
     @staticmethod
-    def register_multi_grad_hook(tensors, hook, mode="any"):
+    def register_multi_grad_hook(tensors, hook):
         raise _not_needed("register_multi_grad_hook")
 
     @staticmethod

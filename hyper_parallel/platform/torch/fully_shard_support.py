@@ -29,8 +29,8 @@ def swap_parameter(module, name, value):
     module._parameters[name] = value
 
 
-def register_multi_grad_hook(tensors, hook, mode="any"):
-    return torch.autograd.graph.register_multi_grad_hook(tuple(tensors), lambda grads: hook(), mode=mode)
+def register_multi_grad_hook(tensors, hook):
+    return torch.autograd.graph.register_multi_grad_hook(tuple(tensors), lambda grad: hook(), mode="any")
 
 
 def queue_backward_callback(callback):
