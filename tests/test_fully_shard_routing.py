@@ -91,6 +91,23 @@ def _checkpointed_net(reentrant):
     return Checkpointed()
 
 
+def _in_place_net():
+    import torch
+    from tests import fully_shard_models as fm
+
+    class InPlace(fm.Block):
+        def forward(self, x):
+            x.mul_(1.5)   # a unit that modifies its input in place (the hook must not make it a view)
+            return super().forward(x)
+
+    class Net(fm.Net):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(InPlace() for _ in range(2))
+    torch.manual_seed(0)
+    return Net()
+
+
 def _routing_cases(rank, world_size):
     from hyper_parallel import init_device_mesh
     from tests.test_fully_shard import _train, _zero3
@@ -107,6 +124,7 @@ def _routing_cases(rank, world_size):
     for reentrant in (True, False):
         _train(_zero3(mesh), rank, world_size, model_fn=lambda: _checkpointed_net(reentrant),
                what=f"activation checkpointing (reentrant={reentrant})")
+    _train(_zero3(mesh), rank, world_size, model_fn=_in_place_net, what="input modified in place")
     return True
 
 

@@ -29,9 +29,15 @@ class ShardedDataParallelContract:
         """Make ``module.<name>`` the tensor object ``value`` itself (no new parameter object)."""
         raise unavailable("swap_parameter (fully_shard)", self)
 
-    def register_multi_grad_hook(self, tensors, hook):
-        """``hook()`` once per backward, when the first gradient of any of ``tensors`` is computed."""
+    def register_multi_grad_hook(self, tensors, hook, mode="any"):
+        """``hook()`` once per backward, when the first gradient of any of ``tensors`` is computed
+        (``mode="all"``: once backward has computed all of theirs that it reaches)."""
         raise unavailable("register_multi_grad_hook (fully_shard)", self)
+
+    def is_autograd_leaf(self, tensor):
+        """Whether autograd created ``tensor`` outside any recorded operation (a leaf: no node to
+        hook before it, only its gradient accumulation)."""
+        raise unavailable("is_autograd_leaf (fully_shard)", self)
 
     def queue_backward_callback(self, callback):
         """Run ``callback()`` once the current backward pass has finished (called during backward)."""

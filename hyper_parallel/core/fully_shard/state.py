@@ -3,11 +3,10 @@
 Per unit, in forward: gather (waiting for a prefetched all-gather), issue the next unit's
 all-gather, compute, free (``reshard_after_forward``), and hook the outputs so that the first
 gradient reaching them re-gathers the unit (and issues the next unit's all-gather in backward
-order) before its backward computes. Its inputs pass one identity autograd node too: once
-backward reaches it the unit's backward is over, and it launches the unit's reduce-scatter and
-frees its parameters. That point is the same on every rank, where "every parameter has its gradient" is not
-(data decides it: an MoE expert a rank routed nothing to), and the ranks' reduce-scatters must
-meet in one order. A unit whose inputs need no gradient (the root, a first layer) or that ran
+order) before its backward computes. Its inputs are hooked too: once backward has passed them the
+unit's backward is over, and it launches the unit's reduce-scatter and frees its parameters. That
+point is the same on every rank, where "every parameter has its gradient" is not (data decides it:
+an MoE expert a rank routed nothing to), and the ranks' reduce-scatters must meet in one order. A unit whose inputs need no gradient (the root, a first layer) or that ran
 without them is reduced at the end of backward. The root (the outermost unit that runs)
 initialises everything lazily on its first forward (after ``to_empty``) and, at the end of every
 backward, launches what is left, waits for the reductions and hands out the sharded gradients.
@@ -48,11 +47,6 @@ class FSDPState:
                 state._remove_grad_hooks()
                 state._remove_grad_hooks = None
         if self._remove_grad_hooks is None:
-            by_id = {}
-            for state in states:
-                for p in state.group.trainable:
-                    by_id[id(p.unsharded)] = state.group
-            self._grad_owner = by_id
             trainable = [p.unsharded for s in states for p in s.group.trainable]
             # the hooks only queue the end-of-backward callback (a backward that skipped the root's output)
             self._remove_grad_hooks = platform.register_grad_ready_hooks(trainable, lambda param: None,
@@ -107,10 +101,12 @@ class FSDPState:
             following.group.unshard()
 
     def _hook_post_backward(self, args, kwargs):
-        """Route the call's inputs that need a gradient through one identity autograd node whose
-        backward runs ``_post_backward``. Its backward comes after every node of the unit's own
-        backward, the accumulation of the parameters' gradients included (autograd runs those
-        first), also where an input is a leaf (a hook on a leaf could run before them)."""
+        """Run ``_post_backward`` once backward has passed every input of this call that needs a
+        gradient. An input made by an op gets a hook that runs before that op's backward node,
+        which autograd runs after every node of this unit's backward, the accumulation of the
+        parameters' gradients included. A leaf input has no such node (a hook on it could run
+        before the parameters' accumulation), so leaves pass one identity autograd node instead (a
+        leaf that needs a gradient cannot be modified in place anyway: the identity's view may not)."""
         platform = get_platform()
         self.group.backward_pending = True
         found = []
@@ -118,13 +114,20 @@ class FSDPState:
         if not found:
             self._defer = True
             return args, kwargs
-        self._uses += 1
-        routed = _POST_BACKWARD(self, *found)
-        routed = iter(routed if isinstance(routed, tuple) else (routed,))
-        return _map_grad_tensors((args, kwargs), lambda t: next(routed))
+        leaves = [t for t in found if platform.is_autograd_leaf(t)]
+        made = [t for t in found if not platform.is_autograd_leaf(t)]
+        self._uses += bool(leaves) + bool(made)
+        if made:
+            platform.register_multi_grad_hook(made, self._post_backward, mode="all")
+        if not leaves:
+            return args, kwargs
+        routed = _POST_BACKWARD(self, *leaves)
+        routed = dict(zip(map(id, leaves), routed if isinstance(routed, tuple) else (routed,)))
+        return _map_grad_tensors((args, kwargs), lambda t: routed.get(id(t), t))
 
     def _post_backward(self):
-        """Backward has computed the gradients of one call's inputs: that call's backward is over."""
+        """Backward has passed one call's inputs (or its leaf inputs, or the others: each counts
+        once in ``_uses``): once every call's have, the unit's backward is over."""
         self._uses -= 1
         if self._uses > 0 or self._defer:   # another call's backward is still to come
             return

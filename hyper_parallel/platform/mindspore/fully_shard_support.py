@@ -41,8 +41,12 @@ class MindSporeFullyShardSupport:
         raise _not_needed("alloc_storage")
 
     @staticmethod
-    def register_multi_grad_hook(tensors, hook):
+    def register_multi_grad_hook(tensors, hook, mode="any"):
         raise _not_needed("register_multi_grad_hook")
+
+    @staticmethod
+    def is_autograd_leaf(tensor):
+        raise _not_needed("is_autograd_leaf")
 
     @staticmethod
     def queue_backward_callback(callback):

@@ -29,8 +29,12 @@ def swap_parameter(module, name, value):
     module._parameters[name] = value
 
 
-def register_multi_grad_hook(tensors, hook):
-    return torch.autograd.graph.register_multi_grad_hook(tuple(tensors), lambda grad: hook(), mode="any")
+def register_multi_grad_hook(tensors, hook, mode="any"):
+    return torch.autograd.graph.register_multi_grad_hook(tuple(tensors), lambda grads: hook(), mode=mode)
+
+
+def is_autograd_leaf(tensor):
+    return tensor.grad_fn is None
 
 
 def queue_backward_callback(callback):
@@ -38,4 +42,5 @@ def queue_backward_callback(callback):
 
 
 PLATFORM_METHODS = tuple(staticmethod(f) for f in (free_storage, alloc_storage, untracked, swap_parameter,
-                                                    register_multi_grad_hook, queue_backward_callback))
+                                                    register_multi_grad_hook, is_autograd_leaf,
+                                                    queue_backward_callback))

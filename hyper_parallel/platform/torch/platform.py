@@ -343,7 +343,7 @@ class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, Platform):
         module.register_parameter(name, torch.nn.Parameter(value, requires_grad=value.requires_grad))
 
     named_buffers, set_buffer, create_tensor = tensor_factories.PLATFORM_METHODS  # DTensor factories
-    (free_storage, alloc_storage, untracked, swap_parameter, register_multi_grad_hook,
+    (free_storage, alloc_storage, untracked, swap_parameter, register_multi_grad_hook, is_autograd_leaf,
      queue_backward_callback) = fully_shard_support.PLATFORM_METHODS  # fully_shard
 
     # ---------------------------------------------------------------- attention kernels
