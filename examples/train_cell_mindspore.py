@@ -34,7 +34,9 @@ except ImportError:   # loaded by its path (a test): the examples folder is not 
     import _common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_CLUSTER_ENV = ("MS_ROLE", "MS_NODE_ID", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT", "RANK_TABLE_FILE")
+_CLUSTER_ENV = ("MS_ROLE", "MS_NODE_ID", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT", "RANK_TABLE_FILE",
+                "HP_EXAMPLE_LAUNCHED")
+_OWN_LAUNCHER = "HP_EXAMPLE_LAUNCHED"   # set for the workers launch() starts (not msrun's)
 _CHATTER = re.compile(r"^\[(DEBUG|INFO|WARNING|ERROR)\] [A-Z_]+\(")   # MindSpore's own log lines
 
 
@@ -216,6 +218,7 @@ def launch(argv, world, timeout=1800):
     env.update(HP_PLATFORM="mindspore", MS_WORKER_NUM=str(world), MS_SCHED_HOST="127.0.0.1",
                MS_SCHED_PORT=str(_common.free_port()), GLOG_v="3", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p]))
+    env[_OWN_LAUNCHER] = "1"
     command = [sys.executable, os.path.abspath(__file__), *argv]
     logs = tempfile.mkdtemp(prefix="hp_train_cell_")
     print(f"starting a MindSpore scheduler and {world} workers (logs: {logs})", flush=True)
@@ -273,7 +276,15 @@ def main(argv=None):
         init()
         return 0
     if role or "RANK_TABLE_FILE" in os.environ:
-        return rank_main(args)
+        code = rank_main(args)
+        if os.environ.get(_OWN_LAUNCHER):
+            # a worker of our launcher leaves at once: MindSpore's exit hooks tear the cluster
+            # client down while rank 0 still runs the one-process reference, and once crashed
+            # there (SIGSEGV after a finished, correct run); the worker has nothing left to release
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
     world = args.dp * args.dp_shard * args.tp
     if world == 1:
         os.environ["HP_PLATFORM"] = "mindspore"
