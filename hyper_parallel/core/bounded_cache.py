@@ -5,6 +5,7 @@ signatures, so these caches stay small; one that reaches its limit is fed keys t
 (shapes changing every step) and simply starts over. Every cache empties at ``reset_platform()``
 (its values may hold objects of the old platform) and with ``clear_all()``.
 """
+import itertools
 import weakref
 
 from hyper_parallel.platform import on_reset
@@ -39,3 +40,18 @@ def clear_all():
 
 
 on_reset(clear_all)
+
+
+_SERIALS = itertools.count()
+
+
+def lifetime_key(obj):
+    """A cache key for ``obj`` that no other object of this process ever gets. ``id(obj)`` is not
+    one: once ``obj`` dies, a new object may take its address, and a decision cached for the dead
+    one (a cross-rank check already passed, an output layout learnt) would apply to the new one —
+    on the ranks whose allocator happened to reuse it, leaving the others in a collective alone."""
+    key = obj.__dict__.get("_hp_lifetime_key")
+    if key is None:
+        key = obj.__dict__["_hp_lifetime_key"] = next(_SERIALS)
+    return key
+

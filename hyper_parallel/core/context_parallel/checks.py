@@ -16,7 +16,7 @@ from a genuine longer block by its content: the same k/v on every rank is the wh
 import os
 import zlib
 
-from hyper_parallel.core.bounded_cache import BoundedCache
+from hyper_parallel.core.bounded_cache import BoundedCache, lifetime_key
 from hyper_parallel.platform import get_platform
 
 NAMES = ("q", "k", "v")
@@ -82,7 +82,7 @@ def first_call_of_signature(style, cp_mesh, qkv):
     from hyper_parallel.core.dtensor.dtensor import DTensor
     if debug_checks():
         return True
-    key = (id(style), cp_mesh, tuple((tuple(t.shape), t.dtype,
+    key = (lifetime_key(style), cp_mesh, tuple((tuple(t.shape), t.dtype,
                                       t.placements if isinstance(t, DTensor) else None) for t in qkv))
     if key in _VERIFIED:
         return False

@@ -7,7 +7,6 @@ The module's forward sees DTensors, so plain matmul/softmax attention code is di
 same sharding rules as ``F.scaled_dot_product_attention``.
 """
 import contextvars
-import weakref
 
 from hyper_parallel.core.context_parallel.auto.chooser import AutoMode
 from hyper_parallel.core.context_parallel.supported_kernels import call_module
@@ -18,7 +17,9 @@ from hyper_parallel.platform import get_platform
 
 KV_EXCHANGES = ("allgather", "ring")
 _active = contextvars.ContextVar("hp_context_parallel_active", default=frozenset())
-_starters = weakref.WeakKeyDictionary()   # module -> its split-phase call (start_attention)
+# a module's split-phase call (start_attention) lives on the module: a global table would keep it, and
+# through its closure the module and its weights, alive after the model is gone
+_STARTER = "_hp_cp_start"
 
 
 def start_attention(module, *args, **kwargs):
@@ -28,7 +29,7 @@ def start_attention(module, *args, **kwargs):
     projections; contract and limits: split_call.py, docs/context_parallel.md). Like any
     collective, calls must be started, and finished, in the same order on every rank, and every
     started call finished."""
-    starter = _starters.get(module)
+    starter = getattr(module, _STARTER, None)
     if starter is None:
         raise ValueError(f"start_attention: {type(module).__name__} has no ContextParallel applied; "
                          f"apply ContextParallel / AsyncContextParallel to it first")
@@ -38,8 +39,8 @@ def start_attention(module, *args, **kwargs):
 class ContextParallel(ParallelStyle):
     def __init__(self, seq_dim=1, head_dim=2, ulysses_degree=None, qkv_indices=(0, 1, 2), qkv_kwarg_names=(),
                  use_local_output=False, load_balance=False, kv_exchange="allgather", overlap=False,
-                 chunks=2, mode=None, memory_budget=None, calibration=None, causal=None):
-        _check_auto(mode, ulysses_degree, load_balance, kv_exchange, memory_budget, calibration, causal)
+                 chunks=2, mode=None, memory_budget=None, calibration=None, causal=None, tune=None):
+        _check_auto(mode, ulysses_degree, load_balance, kv_exchange, memory_budget, calibration, causal, tune)
         if seq_dim == head_dim:
             raise ValueError(f"seq_dim and head_dim must differ (got {seq_dim}); use 1/2 for BSHD, 2/1 for BNSD")
         if ulysses_degree is not None and (not isinstance(ulysses_degree, int) or ulysses_degree < 1):
@@ -64,6 +65,7 @@ class ContextParallel(ParallelStyle):
         # mode="auto": the mode is chosen per shape signature (auto/); causal is the cost model's hint
         self.mode, self.memory_budget, self.calibration = mode, memory_budget, calibration
         self.causal = True if causal is None else bool(causal)
+        self.tune = True if tune is None else bool(tune)   # time close calls on the call's shapes
         self.last_choice = None
         self._auto = AutoMode(self) if mode == "auto" else None
 
@@ -134,7 +136,7 @@ class ContextParallel(ParallelStyle):
             style, cp_mesh = self._resolve(mesh, qkv)
             # finish() runs the module later: inside the guard again, as forward does
             return guarded(lambda: start_call(style, cp_mesh, qkv, lambda *t: guarded(lambda: call(*t))))
-        _starters[module] = start
+        object.__setattr__(module, _STARTER, start)
         return forward
 
     def _resolve(self, mesh, qkv):
@@ -171,7 +173,7 @@ class ContextParallel(ParallelStyle):
         return [get(s) for s in slots], call
 
 
-def _check_auto(mode, ulysses_degree, load_balance, kv_exchange, memory_budget, calibration, causal):
+def _check_auto(mode, ulysses_degree, load_balance, kv_exchange, memory_budget, calibration, causal, tune):
     if mode not in (None, "auto"):
         raise ValueError(f"mode={mode!r} is not supported: pass mode='auto' (chosen per shape), or leave it "
                          f"unset and choose with ulysses_degree / kv_exchange / load_balance")
@@ -184,8 +186,8 @@ def _check_auto(mode, ulysses_degree, load_balance, kv_exchange, memory_budget, 
         if memory_budget is not None and (not isinstance(memory_budget, (int, float)) or memory_budget <= 0):
             raise ValueError(f"memory_budget={memory_budget!r} must be a positive number of bytes")
         return
-    given = [n for n, v in (("memory_budget", memory_budget), ("calibration", calibration), ("causal", causal))
-             if v is not None]
+    given = [n for n, v in (("memory_budget", memory_budget), ("calibration", calibration), ("causal", causal),
+                            ("tune", tune)) if v is not None]
     if given:
         raise ValueError(f"{given} only apply to mode='auto'; pass mode='auto' or drop them")
 

@@ -27,7 +27,7 @@ cannot split, and layouts the split moves do not cover (uneven blocks, several s
 import contextlib
 from dataclasses import replace
 
-from hyper_parallel.core.bounded_cache import BoundedCache
+from hyper_parallel.core.bounded_cache import BoundedCache, lifetime_key
 from hyper_parallel.core.context_parallel.layouts import mode_placements
 from hyper_parallel.core.context_parallel.output import output_seq_dim
 from hyper_parallel.core.context_parallel.movement import Block, KVAllGather, QKVAllToAll, start_output
@@ -102,7 +102,7 @@ def _remember(key, shape):
 def recording(style, inputs, ulysses_dims, gather_dims, call):
     """``call`` for a pipelinable call run whole: the first time for its signature, it also records
     the global shape of the whole output, from which later calls learn where the chunks join."""
-    key = (id(style), _signature(_whole_blocks(inputs), inputs, ulysses_dims, gather_dims))
+    key = (lifetime_key(style), _signature(_whole_blocks(inputs), inputs, ulysses_dims, gather_dims))
     if key in _WHOLE_OUTPUT_SHAPES:
         return call
 
@@ -240,7 +240,7 @@ def run_overlapped(style, inputs, ulysses_dims, gather_dims, call):
     n = chunk_count(style, inputs, ds)
     if n == 1:
         return None
-    key = (id(style), _signature(_whole_blocks(inputs), inputs, ulysses_dims, gather_dims))
+    key = (lifetime_key(style), _signature(_whole_blocks(inputs), inputs, ulysses_dims, gather_dims))
     whole = _WHOLE_OUTPUT_SHAPES.get(key, ())
     if whole is None or (whole == () and not ulysses_dims):   # all-gather KV: learn the join dim first
         return None
