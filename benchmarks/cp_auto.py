@@ -139,6 +139,7 @@ def auto_sweep(args, make_bench, lead):
                   f"{auto_ms:9.2f} ms | best {best:<13} {result['best_ms']:9.2f} ms | "
                   f"ratio {result['ratio']:.2f} (chosen mode's time {result['choice_ratio']:.2f}) err {err:.1e}",
                   file=sys.stderr, flush=True)
+            print(f"    why: {auto.style.last_choice}", file=sys.stderr, flush=True)
     if lead and results:
         n = len(results)
         chose = sum(r["choice_ratio"] <= 1.10 for r in results)

@@ -58,6 +58,11 @@ class TrainingLoopContract(ShardedDataParallelContract):
         """Make ``reduce_fn(grads) -> grads`` the gradient reducer of a training-step module."""
         raise unavailable("install_grad_reducer", self)
 
+    def forward_backward(self, fn, inputs):
+        """Run ``fn(*inputs)`` on the inputs taken as new leaves, and its backward seeded with ones
+        (for timing a call, as ``mode="auto"`` does; also where gradients are off outside)."""
+        raise unavailable("forward_backward", self)
+
     @staticmethod
     def train_step_network(cell):
         """The network a training-step module trains, or ``cell`` itself."""

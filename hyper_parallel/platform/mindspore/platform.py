@@ -142,6 +142,11 @@ class MindSporePlatform(MindSporeTrainingSupport, MindSporeLongSequence, Platfor
         return _no_grad()
 
     @staticmethod
+    def forward_backward(fn, inputs):
+        out, pullback = ms.vjp(fn, *inputs)
+        pullback(ops.ones_like(out))
+
+    @staticmethod
     def is_grad_enabled():
         """True while MindSpore records a graph for differentiation (inside ms.grad /
         value_and_grad, outside no_grad)."""
@@ -302,8 +307,10 @@ class MindSporePlatform(MindSporeTrainingSupport, MindSporeLongSequence, Platfor
     # ---------------------------------------------------------------- attention kernels
     @staticmethod
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        """Scaled dot-product attention on (..., heads, seq, dim) tensors."""
-        return attention_kernels.sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        """Scaled dot-product attention on (..., heads, seq, dim) tensors; DTensors go to the sdpa rule,
+        as F.scaled_dot_product_attention's do on torch."""
+        return attention_kernels.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale,
+                                                              enable_gqa)
 
     @staticmethod
     def attention_block_forward(q, k, v, causal=False, scale=None, mask=None, softcap=None):

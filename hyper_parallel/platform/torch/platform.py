@@ -182,6 +182,12 @@ class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, Platform):
         return torch.is_grad_enabled()
 
     @staticmethod
+    def forward_backward(fn, inputs):
+        with torch.enable_grad():
+            out = fn(*(t.detach().requires_grad_() for t in inputs))
+            out.backward(torch.ones_like(out))
+
+    @staticmethod
     def requires_grad(tensor):
         return tensor.requires_grad
 

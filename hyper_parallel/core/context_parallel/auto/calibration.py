@@ -1,8 +1,11 @@
 """The machine numbers the cost model needs, measured once per mesh (and cached) or read from a file.
 
 A short calibration runs on the CP mesh the first time ``mode="auto"`` meets it: all-reduces of a
-few bytes (latency) and of a few MB (bandwidth) within the groups the hybrid's Ulysses part would
-use ("ds": adjacent ranks) and its gather part ("co": strided ranks), a small attention for the
+few bytes (latency) and of a few MB (bandwidth) within a pair of adjacent ranks ("ds") and of
+strided ranks ("co"); then each mode's own collective on each group it would use — the all-to-all
+on every Ulysses group of ``u`` adjacent ranks, the all-gather and reduce-scatter on every gather
+group of ``P/u`` strided ranks — since a collective over more ranks can move a byte slower than a
+pair does (ranks sharing cores or a link, a ring or tree algorithm's extra steps); a small attention for the
 compute rate (with every rank computing, and on rank 0 alone: whether ranks share cores), the same
 attention beside an all-reduce in flight (how much of a transfer hides under compute), and each
 mode once on a tiny input: what a call costs beyond its compute and bytes
@@ -18,6 +21,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from hyper_parallel.core.bounded_cache import BoundedCache
+from hyper_parallel.core.context_parallel.auto.tuning import stand_in
+from hyper_parallel.core.context_parallel.mode import run_attention
 from hyper_parallel.platform import get_platform
 
 _MEASURED = BoundedCache(64)
@@ -39,6 +44,17 @@ class Machine:
     # the share of a collective hidden under compute running beside it: 1 where the transfer has its
     # own engine (the ring then pays max(compute, communication)), 0 where it competes for the cores
     overlap: float = 1.0
+    # ("kind/dim/size", seconds per byte sent by a rank, latency) of each mode's own collective on the
+    # groups it uses: kind all_to_all (dim ds) or all_gather / reduce_scatter (dim co), size its ranks
+    collectives: tuple = ()
+
+    def rate(self, kind, dim, size):
+        """(seconds per byte a rank sends, seconds per call) of ``kind`` on a ``dim`` group of ``size``
+        ranks: measured where calibrated, else the pair's all-reduce numbers."""
+        for key, per_byte, latency in self.collectives:
+            if key == f"{kind}/{dim}/{size}":
+                return per_byte, latency
+        return 1.0 / self.bandwidth(dim), self.latency(dim)
 
     def overhead(self, family):
         found = dict(self.overheads)
@@ -53,6 +69,7 @@ class Machine:
     def save(self, path):
         values = asdict(self)
         values["overheads"] = dict(self.overheads)
+        values["collectives"] = {key: [per_byte, latency] for key, per_byte, latency in self.collectives}
         with open(path, "w") as f:
             json.dump(values, f, indent=1)
 
@@ -60,15 +77,18 @@ class Machine:
     def load(cls, path):
         with open(path) as f:
             values = json.load(f)
-        optional = ("overheads", "contention", "overlap")   # files written before they were measured
+        optional = ("overheads", "collectives", "contention", "overlap")   # files older than these
         numbers = [k for k in cls.__dataclass_fields__ if k not in optional]
         missing = [k for k in numbers if k not in values]
         if missing:
             raise ValueError(f"calibration file {path} lacks {missing}; write it with python -m "
                              f"benchmarks.cp_attention --calibrate {path}")
         overheads = tuple(sorted((str(k), float(v)) for k, v in values.get("overheads", {}).items()))
-        extra = {k: float(values[k]) for k in optional[1:] if k in values}
-        return cls(**{k: float(values[k]) for k in numbers}, overheads=overheads, **extra)
+        collectives = tuple(sorted((str(k), float(v[0]), float(v[1]))
+                                   for k, v in values.get("collectives", {}).items()))
+        extra = {k: float(values[k]) for k in optional[2:] if k in values}
+        return cls(**{k: float(values[k]) for k in numbers}, overheads=overheads, collectives=collectives,
+                   **extra)
 
 
 def machine_for(mesh, path=None, make_style=None):
@@ -134,13 +154,56 @@ def measure(mesh, nbytes=1 << 22, make_style=None):
             values[1 + 2 * i], values[2 + 2 * i] = full / nbytes, latency
     if co is not None:
         values[6] = -_overlap(platform, co, nbytes)
+    collectives = _collective_timings(platform, mesh, nbytes)
+    for _, per_byte, latency in collectives:
+        values += [per_byte, latency]
     values += [_mode_seconds(make_style(**kwargs), mesh) for _, kwargs in families]
     slowest = platform.all_reduce(platform.tensor(values, dtype=platform.float32()), mesh.get_group(0), "max",
                                    tag="calibration")
     v = [float(x) for x in slowest.tolist()]
+    first = 7 + 2 * len(collectives)
     return Machine(flops=1.0 / v[0], ds_bandwidth=1.0 / max(v[1], 1e-15), ds_latency=v[2],
                    co_bandwidth=1.0 / max(v[3], 1e-15), co_latency=v[4], contention=v[5], overlap=-v[6],
-                   overheads=tuple((name, seconds) for (name, _), seconds in zip(families, v[7:])))
+                   collectives=tuple((key, v[7 + 2 * i], v[8 + 2 * i]) for i, (key, _, _) in enumerate(collectives)),
+                   overheads=tuple((name, seconds) for (name, _), seconds in zip(families, v[first:])))
+
+
+def _mode_groups(mesh):
+    """{(dim, size): this rank's group} of every Ulysses group ("ds": ``u`` adjacent ranks) and
+    gather group ("co": ``P/u`` strided ranks) some mode on this mesh uses, for each ``u`` dividing P."""
+    cp, groups = mesh.size(), {}
+    if cp < 2:
+        return groups
+    for u in (d for d in range(1, cp + 1) if cp % d == 0):
+        if u in (1, cp):
+            groups[("ds" if u == cp else "co", cp)] = mesh.get_group(0)
+            continue
+        sub = mesh._unflatten(0, (cp // u, u), ("co", "ds"))
+        groups[("ds", u)], groups[("co", cp // u)] = sub.get_group("ds"), sub.get_group("co")
+    return groups
+
+
+def _collective_timings(platform, mesh, nbytes):
+    """[("kind/dim/size", seconds per byte a rank sends, latency)] of each mode's own collectives: the
+    all-to-all on Ulysses groups, the all-gather (forward) and reduce-scatter (its backward) on gather
+    groups. A rank sends (g−1)/g of an all-to-all's or a reduce-scatter's input, and (g−1)× an
+    all-gather's."""
+    out = []
+    for (dim, size), group in sorted(_mode_groups(mesh).items()):
+        buffer = platform.zeros((max(nbytes // 4 // size * size, size),), dtype=platform.float32())
+        piece = platform.zeros((buffer.shape[0] // size,), dtype=platform.float32())
+        small, tiny = platform.zeros((size,), dtype=platform.float32()), platform.zeros((1,), dtype=platform.float32())
+        kinds = {"all_to_all": (lambda t: platform.all_to_all_single(t, group), buffer, small, (size - 1) / size)}
+        if dim == "co":
+            kinds = {"all_gather": (lambda t: platform.all_gather(t, group), piece, tiny, size - 1),
+                     "reduce_scatter": (lambda t: platform.reduce_scatter(t, group), buffer, small,
+                                        (size - 1) / size)}
+        for kind, (run, large, little, share) in kinds.items():
+            latency = _seconds(lambda: run(little))
+            full = _seconds(lambda: run(large))
+            sent = share * large.shape[0] * 4
+            out.append((f"{kind}/{dim}/{size}", max(full - latency, 1e-9) / sent, latency))
+    return out
 
 
 def _kernel(platform, size=256, dim=64):
@@ -189,23 +252,12 @@ def _families(cp):
     return out if cp > 1 else out[:1]
 
 
-class _TinyAttention:
-    """Causal attention on BNSD blocks: the calibration's stand-in for the user's module."""
-
-    def forward(self, q, k, v):
-        return get_platform().sdpa(q, k, v, is_causal=True)
-
-    def __call__(self, q, k, v):
-        return self.forward(q, k, v)
-
-
 def _mode_seconds(style, mesh):
     """A forward of ``style`` on a tiny input, ×3 for forward + backward (backward costs about twice
-    a forward): what the mode costs beyond compute and bytes, which are near zero here."""
+    a forward): what the mode costs beyond compute and bytes, which are near zero here. The
+    attention is the tuning's stand-in (causal SDPA on BNSD blocks), no module."""
     platform = get_platform()
-    cp = mesh.size()
-    module = _TinyAttention()
+    q = platform.zeros((1, mesh.size(), 4, 8), dtype=platform.float32())
     style.seq_dim, style.head_dim = 2, 1
-    style.apply(module, mesh)
-    q = platform.zeros((1, cp, 4, 8), dtype=platform.float32())
-    return 3 * _seconds(lambda: module(q, q, q))
+    call, cp_mesh = stand_in((2, 1), True, (q, q, q)), style._cp_mesh(mesh)
+    return 3 * _seconds(lambda: run_attention(style, cp_mesh, [q, q, q], call))

@@ -1,7 +1,8 @@
 """``mode="auto"``: per shape signature, rank the candidates by predicted time and run the best.
 
 The choice is made once per signature (q/k/v local shapes and dtype, masks on or off, the mesh)
-and cached. Before the first choice of a signature the ranks compare their shapes (the same
+and cached. Where several candidates are predicted close to the best, they are timed on the call's
+own shapes and the fastest wins (tuning.py; ``tune=False`` keeps the prediction's choice). Before the first choice of a signature the ranks compare their shapes (the same
 one-message check every mode runs first), so a rank that disagrees raises on every rank instead of
 choosing another mode and waiting in another collective. ``style.last_choice`` says what was chosen
 and every candidate's predicted time; the first choice of each signature is also logged.
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from hyper_parallel.core.bounded_cache import BoundedCache
 from hyper_parallel.core.context_parallel.auto.calibration import machine_for
 from hyper_parallel.core.context_parallel.auto.cost_model import CallShape, candidates, predict
+from hyper_parallel.core.context_parallel.auto.tuning import shortlist, timed_seconds
 from hyper_parallel.core.context_parallel.checks import check_across_ranks, normalise_dims
 from hyper_parallel.core.context_parallel.masks import active_masks
 from hyper_parallel.core.dtensor.dtensor import DTensor
@@ -26,6 +28,7 @@ class Choice:
     mode: str
     kwargs: dict
     predicted_seconds: dict = field(default_factory=dict)   # every candidate that can run
+    measured_seconds: dict = field(default_factory=dict)    # the close ones, timed on this call's shapes
     held_bytes: dict = field(default_factory=dict)
     over_budget: list = field(default_factory=list)         # candidates refused by memory_budget
 
@@ -33,7 +36,10 @@ class Choice:
         times = ", ".join(f"{n} {s * 1e3:.3g} ms" for n, s in sorted(self.predicted_seconds.items(),
                                                                     key=lambda kv: kv[1]))
         over = f"; over memory_budget: {', '.join(self.over_budget)}" if self.over_budget else ""
-        return f"chose {self.mode} ({self.kwargs}); predicted fwd+bwd: {times}{over}"
+        timed = ", ".join(f"{n} {s * 1e3:.3g} ms" for n, s in sorted(self.measured_seconds.items(),
+                                                                    key=lambda kv: kv[1]))
+        timed = f"; timed fwd+bwd: {timed}" if timed else ""
+        return f"chose {self.mode} ({self.kwargs}); predicted fwd+bwd: {times}{timed}{over}"
 
 
 def _itemsize(dtype):
@@ -71,12 +77,12 @@ class AutoMode:
         found = self._chosen.get(key)
         if found is None:
             check_across_ranks(mesh, raw)   # the ranks agree on what they choose from
-            found = self._chosen[key] = self._choose(mesh, qkv)
+            found = self._chosen[key] = self._choose(mesh, qkv, key)
             LOG.info("ContextParallel(mode='auto') on %d ranks: %s", mesh.size(), found[0])
         self.style.last_choice = found[0]
         return found[1], found[2]
 
-    def _choose(self, mesh, qkv):
+    def _choose(self, mesh, qkv, key):
         style = self.style
         shape = call_shape(style, qkv, mesh.size(), style.causal)
         machine = machine_for(mesh, style.calibration, style.fixed)
@@ -94,8 +100,15 @@ class AutoMode:
             raise ValueError(f"ContextParallel(mode='auto'): no mode fits memory_budget={style.memory_budget} "
                              f"bytes for {shape} on {mesh.size()} ranks (the smallest, {smallest[0]}, holds "
                              f"{smallest[1]:.0f} bytes of k/v); raise the budget or use more ranks")
-        best = min(options, key=lambda name: (predicted[name], name))
-        choice = Choice(best, options[best].kwargs(), predicted, held, over)
+        best, measured = min(options, key=lambda name: (predicted[name], name)), {}
+        close = shortlist(predicted) if style.tune else []
+        if len(close) > 1:
+            runners = {name: self._sub_style(options[name], mesh) for name in close}
+            dims = normalise_dims(style, [len(t.shape) for t in qkv])
+            measured = timed_seconds(key + (style.causal, dims, tuple(close)), mesh, qkv, dims, style.causal,
+                                     runners)
+            best = min(measured, key=lambda name: (measured[name], name))
+        choice = Choice(best, options[best].kwargs(), predicted, measured, held, over)
         sub_style, sub_mesh = self._sub_style(options[best], mesh)
         return choice, sub_style, sub_mesh
 

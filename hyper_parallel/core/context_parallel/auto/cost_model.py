@@ -9,8 +9,11 @@ time = compute + communication, per rank, on the slowest rank:
   kernel's time with every rank computing over one rank's alone) a rank's idle time speeds the
   others, so imbalance costs only beyond c;
 - communication: the closed forms of docs/context_parallel.md (bytes per rank, forward; backward
-  the same, the ring's twice) over the calibrated bandwidth of the mesh dim they use, plus one
-  latency per collective step (the ring: P−1 hops each way); the ring overlaps its hops with block
+  the same, the ring's twice) at the rate calibrated for the mode's own collective on the groups it
+  uses (the all-to-all on ``u`` adjacent ranks, the all-gather and the reduce-scatter on ``P/u``
+  strided ranks; P2P hops and the load balance's exchanges at a pair's rate), plus one latency per
+  collective step (the ring: P−1 hops each way) unless the overhead below was calibrated (it was
+  timed on a tiny call, so it holds them already); the ring overlaps its hops with block
   compute, so it pays compute + communication − o · min(compute, communication), o the calibrated
   share of a transfer that hides under compute (1 where transfers have their own engine: the max of
   the two; 0 where they compete for the cores: the sum);
@@ -82,8 +85,8 @@ def _compute_seconds(shape, cp, candidate, machine):
 
 
 def _elements(shape, cp, candidate):
-    """(elements over the Ulysses dim, over the gather / ring dim, collective steps each) one rank
-    sends in a forward (docs/context_parallel.md's closed forms)."""
+    """(elements over the Ulysses dim, over the gather / ring dim, of the load balance's pair
+    exchanges) one rank sends in a forward (docs/context_parallel.md's closed forms)."""
     B, D, Dv = shape.batch, shape.head_dim, shape.v_head_dim
     u = candidate.ulysses_degree
     r = cp // u
@@ -91,10 +94,32 @@ def _elements(shape, cp, candidate):
     s_local = shape.q_len / cp
     ulysses = (u - 1) / u * B * s_local * (shape.q_heads * (D + Dv) + hkv * (D + Dv)) if u > 1 else 0.0
     gather = (r - 1) / r * B * shape.kv_len * hkv * (D + Dv) / u if r > 1 else 0.0
-    if candidate.load_balance:
-        gather += 2 * B * (shape.q_len / (2 * cp)) * shape.q_heads * Dv
-    steps = (r - 1) if candidate.kv_exchange == "ring" else (1 if r > 1 else 0)
-    return ulysses, gather, (2 if u > 1 else 0), steps
+    balance = 2 * B * (shape.q_len / (2 * cp)) * shape.q_heads * Dv if candidate.load_balance else 0.0
+    return ulysses, gather, balance
+
+
+def _communication_seconds(shape, cp, candidate, machine):
+    """(seconds on the Ulysses dim, on the gather / ring dim) of a forward + backward: each mode's
+    own collective at the rate calibrated on the groups it uses."""
+    ulysses, gather, balance = _elements(shape, cp, candidate)
+    size, u = shape.itemsize, candidate.ulysses_degree
+    r = cp // u
+    # a calibrated per-mode overhead was timed on a tiny call, so it already holds every
+    # collective's latency: count them again only where it is missing
+    steps = 0.0 if machine.overheads else 1.0
+    pair_byte, pair_latency = 1.0 / machine.bandwidth("co"), steps * machine.latency("co")
+    u_time = 0.0
+    if u > 1:   # q, k, v in and the output back, forward and backward: two all-to-all steps each
+        per_byte, latency = machine.rate("all_to_all", "ds", u)
+        u_time = 2 * (ulysses * size * per_byte + 2 * steps * latency)
+    g_time = 2 * (balance * size * pair_byte + 2 * pair_latency) if balance else 0.0
+    if r > 1 and candidate.kv_exchange == "ring":   # P2P hops: r−1 each way, backward twice forward
+        g_time += 3 * (gather * size * pair_byte + (r - 1) * pair_latency)
+    elif r > 1:   # all-gather forward, reduce-scatter of dK, dV backward (the same bytes)
+        for kind in ("all_gather", "reduce_scatter"):
+            per_byte, latency = machine.rate(kind, "co", r)
+            g_time += gather * size * per_byte + steps * latency
+    return u_time, g_time
 
 
 def _lcm(a, b):
@@ -105,11 +130,7 @@ def _lcm(a, b):
 def predict(shape, cp, candidate, machine):
     """(seconds, bytes of k/v held per rank) for one forward + backward of the call."""
     compute = _compute_seconds(shape, cp, candidate, machine)
-    ulysses, gather, u_steps, g_steps = _elements(shape, cp, candidate)
-    size = shape.itemsize
-    backward = 2.0 if candidate.kv_exchange == "ring" else 1.0
-    u_time = 2 * (ulysses * size / machine.bandwidth("ds") + u_steps * machine.latency("ds"))
-    g_time = (1 + backward) * (gather * size / machine.bandwidth("co") + g_steps * machine.latency("co"))
+    u_time, g_time = _communication_seconds(shape, cp, candidate, machine)
     if candidate.kv_exchange == "ring":   # the hops hide under block compute, as far as they can
         seconds = u_time + compute + g_time - machine.overlap * min(compute, g_time)
     else:
