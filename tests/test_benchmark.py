@@ -145,7 +145,7 @@ _MS_FOUR = {"hybrid", "hybrid (raw)"}  # what 4 ranks add
 
 @pytest.mark.mindspore
 @pytest.mark.parametrize("nproc, extra, expected", [
-    (2, ("--kv-heads", "2", "--no-causal", "--modes", ",".join(sorted(_MS_TWO | {"hybrid"}))), _MS_TWO),
+    (2, ("--kv-heads", "2", "--no-causal", "--modes", ",".join(sorted(_MS_TWO | {"hybrid", "auto"}))), _MS_TWO),
     (4, ("--modes", ",".join(sorted(_MS_FOUR))), _MS_FOUR),
 ], ids=["2ranks-gqa-noncausal", "4ranks-causal-hybrid"])
 def test_benchmark_mindspore_json(tmp_path, nproc, extra, expected):
@@ -172,6 +172,9 @@ def test_benchmark_mindspore_json(tmp_path, nproc, extra, expected):
         assert rows["allgather"]["bytes_fwd"] == pytest.approx(rows["allgather"]["formula_bytes"])
         assert rows["allgather"]["imbalance"] == pytest.approx(1.0)  # not causal
         assert "1 < 2 < world" in rows["hybrid"]["skipped"]
+        # mode="auto" calibrates, tunes and runs on MindSpore too (its row is named after its choice)
+        auto = [r for name, r in rows.items() if name.startswith("auto -> ")]
+        assert len(auto) == 1 and auto[0]["ok"], sorted(rows)
     else:
         assert rows["hybrid"]["imbalance"] == pytest.approx(2.0)
     assert any("peak mem not measured" in n for n in payload["notes"])
