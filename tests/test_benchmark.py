@@ -145,7 +145,8 @@ _MS_FOUR = {"hybrid", "hybrid (raw)"}  # what 4 ranks add
 
 @pytest.mark.mindspore
 @pytest.mark.parametrize("nproc, extra, expected", [
-    (2, ("--kv-heads", "2", "--no-causal", "--modes", ",".join(sorted(_MS_TWO | {"hybrid", "auto"}))), _MS_TWO),
+    (2, ("--kv-heads", "2", "--no-causal", "--modes", ",".join(sorted(_MS_TWO | {"hybrid", "auto"}))),
+     _MS_TWO),
     (4, ("--modes", ",".join(sorted(_MS_FOUR))), _MS_FOUR),
 ], ids=["2ranks-gqa-noncausal", "4ranks-causal-hybrid"])
 def test_benchmark_mindspore_json(tmp_path, nproc, extra, expected):

@@ -186,8 +186,8 @@ def _check_auto(mode, ulysses_degree, load_balance, kv_exchange, memory_budget, 
         if memory_budget is not None and (not isinstance(memory_budget, (int, float)) or memory_budget <= 0):
             raise ValueError(f"memory_budget={memory_budget!r} must be a positive number of bytes")
         return
-    given = [n for n, v in (("memory_budget", memory_budget), ("calibration", calibration), ("causal", causal),
-                            ("tune", tune)) if v is not None]
+    given = [n for n, v in (("memory_budget", memory_budget), ("calibration", calibration),
+                            ("causal", causal), ("tune", tune)) if v is not None]
     if given:
         raise ValueError(f"{given} only apply to mode='auto'; pass mode='auto' or drop them")
 

@@ -5,12 +5,13 @@ few bytes (latency) and of a few MB (bandwidth) within a pair of adjacent ranks 
 strided ranks ("co"); then each mode's own collective on each group it would use — the all-to-all
 on every Ulysses group of ``u`` adjacent ranks, the all-gather and reduce-scatter on every gather
 group of ``P/u`` strided ranks — since a collective over more ranks can move a byte slower than a
-pair does (ranks sharing cores or a link, a ring or tree algorithm's extra steps); a small attention for the
-compute rate (with every rank computing, and on rank 0 alone: whether ranks share cores), the same
-attention beside an all-reduce in flight (how much of a transfer hides under compute), and each
-mode once on a tiny input: what a call costs beyond its compute and bytes
-(kernel launches, the ring's steps, the framework's own work) — at short sequences that decides. Every rank then takes the slowest rank's value (one all-reduce), so every rank ranks
-the candidates alike and makes the same choice. ``python -m benchmarks.cp_attention --calibrate
+pair does (ranks sharing cores or a link, a ring or tree algorithm's extra steps); a small
+attention for the compute rate (with every rank computing, and on rank 0 alone: whether ranks
+share cores), the same attention beside an all-reduce in flight (how much of a transfer hides
+under compute), and each mode once on a tiny input: what a call costs beyond its compute and bytes
+(kernel launches, the ring's steps, the framework's own work) — at short sequences that decides.
+Every rank then takes the slowest rank's value (one all-reduce), so every rank ranks the
+candidates alike and makes the same choice. ``python -m benchmarks.cp_attention --calibrate
 PATH`` writes the same numbers to a JSON file that ``ContextParallel(mode="auto", calibration=PATH)``
 (or ``HP_CP_CALIBRATION=PATH``) reads instead of measuring.
 """
@@ -164,7 +165,8 @@ def measure(mesh, nbytes=1 << 22, make_style=None):
     first = 7 + 2 * len(collectives)
     return Machine(flops=1.0 / v[0], ds_bandwidth=1.0 / max(v[1], 1e-15), ds_latency=v[2],
                    co_bandwidth=1.0 / max(v[3], 1e-15), co_latency=v[4], contention=v[5], overlap=-v[6],
-                   collectives=tuple((key, v[7 + 2 * i], v[8 + 2 * i]) for i, (key, _, _) in enumerate(collectives)),
+                   collectives=tuple((key, v[7 + 2 * i], v[8 + 2 * i])
+                                     for i, (key, _, _) in enumerate(collectives)),
                    overheads=tuple((name, seconds) for (name, _), seconds in zip(families, v[first:])))
 
 
@@ -190,10 +192,12 @@ def _collective_timings(platform, mesh, nbytes):
     all-gather's."""
     out = []
     for (dim, size), group in sorted(_mode_groups(mesh).items()):
-        buffer = platform.zeros((max(nbytes // 4 // size * size, size),), dtype=platform.float32())
-        piece = platform.zeros((buffer.shape[0] // size,), dtype=platform.float32())
-        small, tiny = platform.zeros((size,), dtype=platform.float32()), platform.zeros((1,), dtype=platform.float32())
-        kinds = {"all_to_all": (lambda t: platform.all_to_all_single(t, group), buffer, small, (size - 1) / size)}
+        f32 = platform.float32()
+        buffer = platform.zeros((max(nbytes // 4 // size * size, size),), dtype=f32)
+        piece = platform.zeros((buffer.shape[0] // size,), dtype=f32)
+        small, tiny = platform.zeros((size,), dtype=f32), platform.zeros((1,), dtype=f32)
+        kinds = {"all_to_all": (lambda t: platform.all_to_all_single(t, group), buffer, small,
+                                (size - 1) / size)}
         if dim == "co":
             kinds = {"all_gather": (lambda t: platform.all_gather(t, group), piece, tiny, size - 1),
                      "reduce_scatter": (lambda t: platform.reduce_scatter(t, group), buffer, small,

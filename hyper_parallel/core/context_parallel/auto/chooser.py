@@ -2,9 +2,11 @@
 
 The choice is made once per signature (q/k/v local shapes and dtype, masks on or off, the mesh)
 and cached. Where several candidates are predicted close to the best, they are timed on the call's
-own shapes and the fastest wins (tuning.py; ``tune=False`` keeps the prediction's choice). Before the first choice of a signature the ranks compare their shapes (the same
-one-message check every mode runs first), so a rank that disagrees raises on every rank instead of
-choosing another mode and waiting in another collective. ``style.last_choice`` says what was chosen
+own shapes and the fastest wins (tuning.py; ``tune=False`` keeps the prediction's choice; calls
+under ``attention_masks`` keep it too, since the stand-in that is timed takes no masks). Before the
+first choice of a signature the ranks compare their shapes (the same one-message check every mode
+runs first), so a rank that disagrees raises on every rank instead of choosing another mode and
+waiting in another collective. ``style.last_choice`` says what was chosen
 and every candidate's predicted time; the first choice of each signature is also logged.
 """
 import logging
@@ -101,7 +103,7 @@ class AutoMode:
                              f"bytes for {shape} on {mesh.size()} ranks (the smallest, {smallest[0]}, holds "
                              f"{smallest[1]:.0f} bytes of k/v); raise the budget or use more ranks")
         best, measured = min(options, key=lambda name: (predicted[name], name)), {}
-        close = shortlist(predicted) if style.tune else []
+        close = shortlist(predicted) if style.tune and active_masks() is None else []
         if len(close) > 1:
             runners = {name: self._sub_style(options[name], mesh) for name in close}
             dims = normalise_dims(style, [len(t.shape) for t in qkv])

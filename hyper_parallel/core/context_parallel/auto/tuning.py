@@ -8,9 +8,9 @@ such calls the way cuDNN's benchmark mode settles convolution algorithms. The ti
 stand-in (scaled dot-product attention in the caller's layout, causal as the style's hint), never
 the user's, so a module with state (a KV cache, a counter, dropout's random stream) runs exactly as
 often as the user calls it. Each candidate runs forward and backward (on detached copies of q, k,
-v: the user's graph is untouched), round-robin with the others, the median of five; every rank takes the slowest rank's times
-(one all-reduce), so every rank picks alike. The result is cached per mesh and signature, so the
-layers of a model that share a shape tune once.
+v: the user's graph is untouched), round-robin with the others, the median of five; every rank
+takes the slowest rank's times (one all-reduce), so every rank picks alike. The result is cached
+per mesh and signature, so the layers of a model that share a shape tune once.
 """
 import statistics
 import time
