@@ -75,19 +75,23 @@ def _dp_meshes(rank, world_size):
         ref = _reference_grads(torch, ranks, [1.0] * len(ranks))
         ref2 = _reference_grads(torch, [r + 50 for r in ranks], [1.0] * len(ranks))
         _check(torch, model, [a + b for a, b in zip(ref, ref2)], f"{label} no_sync")
-    # a parameter used on rank 0 only: the others receive its gradient, an everywhere-unused one stays None
+    # a parameter used on rank 0 only: the others receive its gradient, an everywhere-unused one stays
+    # None; one used on rank 0 only whose gradient is exactly zero gets zeros everywhere, as in one
+    # process (AdamW then still decays it and advances its moments)
     mesh = root["dp"]
     model = _mlp(torch)
     model.extra = torch.nn.Linear(8, 1)
     model.never = torch.nn.Linear(8, 1)
+    model.zero = torch.nn.Linear(8, 1)
     data_parallel(model, mesh, average=False)
     out = model[2](model[1](model[0](_batch(torch, rank)))).pow(2).sum()
     if mesh.get_local_rank() == 0:
-        out = out + model.extra(_batch(torch, rank)).sum()
+        out = out + model.extra(_batch(torch, rank)).sum() + 0 * model.zero(_batch(torch, rank)).sum()
     out.backward()
     expected = _batch(torch, mesh.group_ranks(0)[0]).sum(0, keepdim=True)
     torch.testing.assert_close(model.extra.weight.grad, expected)
     assert model.never.weight.grad is None
+    torch.testing.assert_close(model.zero.weight.grad, torch.zeros(1, 8))
     return True
 
 

@@ -114,7 +114,11 @@ class GradientReducer(Switchable):
     # ------------------------------------------------------------------ one bucket
     def _launch(self, bucket):
         grads = [self._local_grad(p) for p in bucket.params]
-        flat = self.platform.cat([g.reshape(-1) for g in grads], 0)
+        # one presence flag per parameter rides along: whether any rank computed its gradient is
+        # then known exactly (a gradient that is exactly zero everywhere is still a gradient)
+        present = [1.0 if p.grad is not None else 0.0 for p in bucket.params]
+        flags = self.platform.tensor(present, dtype=grads[0].dtype, device=grads[0].device)
+        flat = self.platform.cat([g.reshape(-1) for g in grads] + [flags], 0)
         handle = self.platform.all_reduce(flat, self.group, op=self.op, async_op=True, tag="dp_all_reduce")
         self.pending.append((bucket, grads, handle))
         self.next_launch += 1
@@ -127,14 +131,17 @@ class GradientReducer(Switchable):
         return grad._local_tensor if isinstance(grad, DTensor) else grad
 
     def _write_back(self, bucket, grads, flat):
-        offset = 0
-        for param, grad in zip(bucket.params, grads):
+        offset, flags = 0, None
+        for i, (param, grad) in enumerate(zip(bucket.params, grads)):
             n = grad.numel()
             reduced = flat[offset:offset + n].reshape(tuple(grad.shape))
             offset += n
             if param.grad is not None:
                 grad.copy_(reduced)
-            elif bool((reduced != 0).any()):
+                continue
+            if flags is None:   # read on the host only where this rank lacks a gradient
+                flags = flat[flat.shape[0] - len(grads):].tolist()
+            if flags[i] > 0:
                 # used on another rank only: take its gradient; never give an everywhere-unused
                 # parameter a zero gradient (optimizers would still step it)
                 param.grad = reduced if not isinstance(param, DTensor) else DTensor.from_local(
