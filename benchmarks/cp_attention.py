@@ -331,6 +331,8 @@ class _Bench:
         def forward_backward():
             return fw.forward_backward(attn, blocks, grad_block)
 
+        if getattr(mode, "warm_up_before_counting", False):
+            fw.forward(attn, blocks)
         with CommDebugMode() as comm:
             out = fw.forward(attn, blocks)
         sent_fwd = sum(b for op, b in comm.get_comm_bytes().items() if op not in ("shape_check", "calibration"))
