@@ -54,4 +54,3 @@ def lifetime_key(obj):
     if key is None:
         key = obj.__dict__["_hp_lifetime_key"] = next(_SERIALS)
     return key
-
