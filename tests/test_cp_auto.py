@@ -220,6 +220,12 @@ def _tuning(rank, world_size, tmp):
     assert len(first.measured_seconds) == min(tuning.SHORTLIST, len(first.predicted_seconds))
     assert first.mode == min(first.measured_seconds, key=first.measured_seconds.get)
     assert second.measured_seconds == first.measured_seconds   # one timing per mesh and signature
+    for context in (torch.no_grad, torch.inference_mode):   # no backward to time: the prediction's pick
+        with context():
+            q2 = torch.randn(1, 24, 4, 8)
+            style = ContextParallel(mode="auto", calibration=path)
+            out = parallelize_module(_core(), mesh, style)(q2, q2, q2)
+        assert not style.last_choice.measured_seconds and out.shape == q2.shape
     untuned = ContextParallel(mode="auto", calibration=path, tune=False)
     parallelize_module(_core(), mesh, untuned)(q, q, q)
     assert not untuned.last_choice.measured_seconds

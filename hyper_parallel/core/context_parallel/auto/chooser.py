@@ -3,7 +3,8 @@
 The choice is made once per signature (q/k/v local shapes and dtype, masks on or off, the mesh)
 and cached. Where several candidates are predicted close to the best, they are timed on the call's
 own shapes and the fastest wins (tuning.py; ``tune=False`` keeps the prediction's choice; calls
-under ``attention_masks`` keep it too, since the stand-in that is timed takes no masks). Before the
+under ``attention_masks`` keep it too, since the stand-in that is timed takes no masks, and so do
+calls without gradients, which have no backward to time). Before the
 first choice of a signature the ranks compare their shapes (the same one-message check every mode
 runs first), so a rank that disagrees raises on every rank instead of choosing another mode and
 waiting in another collective. ``style.last_choice`` says what was chosen
@@ -20,6 +21,7 @@ from hyper_parallel.core.context_parallel.auto.tuning import shortlist, timed_se
 from hyper_parallel.core.context_parallel.checks import check_across_ranks, normalise_dims
 from hyper_parallel.core.context_parallel.masks import active_masks
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.platform import get_platform
 
 LOG = logging.getLogger("hyper_parallel.context_parallel")
 
@@ -103,7 +105,10 @@ class AutoMode:
                              f"bytes for {shape} on {mesh.size()} ranks (the smallest, {smallest[0]}, holds "
                              f"{smallest[1]:.0f} bytes of k/v); raise the budget or use more ranks")
         best, measured = min(options, key=lambda name: (predicted[name], name)), {}
-        close = shortlist(predicted) if style.tune and active_masks() is None else []
+        # timed forward + backward: in training only (under no_grad / inference the call has no
+        # backward to time, and an inference-mode tensor cannot take one)
+        tunable = style.tune and active_masks() is None and get_platform().is_grad_enabled()
+        close = shortlist(predicted) if tunable else []
         if len(close) > 1:
             runners = {name: self._sub_style(options[name], mesh) for name in close}
             dims = normalise_dims(style, [len(t.shape) for t in qkv])
