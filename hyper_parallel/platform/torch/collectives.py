@@ -118,8 +118,17 @@ class Collectives:
         out = torch.empty((n * moved.shape[0],) + tuple(moved.shape[1:]), dtype=tensor.dtype,
                           device=tensor.device)
         self._record("all_gather", (n - 1) * _nbytes(moved), group)
-        works = self._launch("all_gather", group,
-                             lambda: _all_gather_single(out, moved, group=group, async_op=async_op), async_op)
+        if self._backend_is(group, "gloo"):
+            # gloo's all-gather moves a byte 2-3x slower than its all-to-all (measured at 2 and 4
+            # ranks, 1 KiB to 8 MiB): n copies of the piece through one all-to-all deliver the
+            # same bytes into the same [rank, piece] layout
+            copies = moved.unsqueeze(0).expand((n,) + tuple(moved.shape)).contiguous().view(out.shape)
+            works = self._launch("all_gather", group, lambda: dist.all_to_all_single(
+                out, copies, group=group, async_op=async_op), async_op)
+        else:
+            works = self._launch("all_gather", group,
+                                 lambda: _all_gather_single(out, moved, group=group, async_op=async_op),
+                                 async_op)
         perm = self._order(group)
 
         def finish():
