@@ -142,7 +142,8 @@ def _hf_auto(rank, world_size):
     labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
     count = (labels != -100).sum()
     reference = tiny("llama")
-    ref = F.cross_entropy(reference(input_ids=ids).logits.flatten(0, 1), labels.flatten(), reduction="sum") / count
+    logits = reference(input_ids=ids).logits.flatten(0, 1)
+    ref = F.cross_entropy(logits, labels.flatten(), reduction="sum") / count
     ref.backward()
     model = parallelize_model(tiny("llama"), mesh, cp_mode="auto")
     data_parallel(model, mesh, average=False)
@@ -174,7 +175,8 @@ def test_contention_and_overlap_calibrate_imbalance_and_the_rings_hops(tmp_path)
     from hyper_parallel.core.context_parallel.auto.calibration import Machine
     from hyper_parallel.core.context_parallel.auto.cost_model import CallShape, Candidate, predict
     shape = CallShape(1, 4096, 4096, 8, 8, 64, 64, 4, True)
-    plain, balanced = Candidate("allgather", 1, "allgather", False), Candidate("allgather-lb", 1, "allgather", True)
+    plain = Candidate("allgather", 1, "allgather", False)
+    balanced = Candidate("allgather-lb", 1, "allgather", True)
     ring = Candidate("ring", 1, "ring", False)
 
     def machine(**kw):
@@ -182,7 +184,8 @@ def test_contention_and_overlap_calibrate_imbalance_and_the_rings_hops(tmp_path)
     for contention, lb_faster in ((1.0, True), (2.0, False)):
         m = machine(contention=contention)
         assert (predict(shape, 4, balanced, m)[0] < predict(shape, 4, plain, m)[0]) == lb_faster, contention
-    shared, hidden = predict(shape, 4, ring, machine(overlap=0.0))[0], predict(shape, 4, ring, machine(overlap=1.0))[0]
+    shared = predict(shape, 4, ring, machine(overlap=0.0))[0]
+    hidden = predict(shape, 4, ring, machine(overlap=1.0))[0]
     gathered = predict(shape, 4, plain, machine())[0]   # the same compute, the hops' bytes / 1.5
     assert shared > gathered > hidden
     old = tmp_path / "old.json"

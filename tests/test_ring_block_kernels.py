@@ -221,7 +221,8 @@ def _order_case(rank, world):
     import torch
     from hyper_parallel import attention_masks
     from hyper_parallel.core.context_parallel.masks.masked_ring import masked_ring_attention
-    from hyper_parallel.core.context_parallel.ring.ring_attention import RingLayout, _head_ranges, ring_attention
+    from hyper_parallel.core.context_parallel.ring.ring_attention import (RingLayout, _head_ranges,
+                                                                          ring_attention)
     from hyper_parallel.platform import get_platform
 
     S, hkv = 8 * world, 2

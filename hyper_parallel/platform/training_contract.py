@@ -64,6 +64,13 @@ class TrainingLoopContract(ShardedDataParallelContract):
         raise unavailable("forward_backward", self)
 
     @staticmethod
+    def dense(tensor):
+        """``tensor`` itself where its elements fill its memory once each (a transpose of a contiguous
+        tensor...), else a contiguous copy: an activation's gradient in a layout any op accepts,
+        without copying a merely permuted one (torch; elsewhere always contiguous)."""
+        return tensor.contiguous()
+
+    @staticmethod
     def train_step_network(cell):
         """The network a training-step module trains, or ``cell`` itself."""
         return cell

@@ -178,7 +178,8 @@ def _from_local_backward(ctx, grad):
     if ctx.grad_spec is not None:  # from_local(grad_placements=)
         target = ctx.grad_spec.placements
     grad = as_layout(grad, ctx.spec.with_placements(target))
-    return grad._local_tensor.contiguous(), None, None, None
+    # a plain tensor's gradient: autograd itself lays out what it accumulates into a leaf's .grad
+    return _dense(grad._local_tensor), None, None, None
 
 
 def _to_local_forward(ctx, dtensor, grad_spec, passthrough=None):
@@ -188,7 +189,13 @@ def _to_local_forward(ctx, dtensor, grad_spec, passthrough=None):
 
 
 def _to_local_backward(ctx, grad):
-    return DTensor._make(grad.contiguous(), _input_grad_spec(ctx.grad_spec, ctx.passthrough)), None, None
+    return DTensor._make(_dense(grad), _input_grad_spec(ctx.grad_spec, ctx.passthrough)), None, None
+
+
+# A local gradient crossing a DTensor boundary is copied only where its memory has gaps or overlaps:
+# a permuted one (a transpose's gradient) passes as it is. What a leaf accumulates into ``.grad``
+# autograd lays out like the leaf (tests/test_grad_layout.py: fused AdamW reads it in memory order).
+_dense = get_platform().dense
 
 
 def _input_grad_spec(spec, passthrough):

@@ -163,7 +163,8 @@ class Collectives:
         out = torch.empty_like(blocks)
         self._record("all_to_all", _nbytes(blocks) * (n - 1) // n, group)
         works = self._launch("all_to_all_single", group,
-                             lambda: dist.all_to_all_single(out, blocks, group=group, async_op=async_op), async_op)
+                             lambda: dist.all_to_all_single(out, blocks, group=group, async_op=async_op),
+                             async_op)
 
         def finish():
             received = out if perm is None else out[perm[0]]
@@ -256,7 +257,8 @@ class Collectives:
         native_avg = op == "avg" and dist.get_backend(group) == "nccl"
         native = dist.ReduceOp.AVG if native_avg else _REDUCE_OPS[op]
         works = self._launch(tag or "all_reduce", group,
-                             lambda: dist.all_reduce(out, op=native, group=group, async_op=async_op), async_op)
+                             lambda: dist.all_reduce(out, op=native, group=group, async_op=async_op),
+                             async_op)
         scale = op == "avg" and not native_avg
         return self._finish(async_op, works,
                             lambda: out.div_(n) if scale else out)

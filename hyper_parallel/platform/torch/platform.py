@@ -150,9 +150,10 @@ class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, Platform):
         try:
             return tuple(dist.get_process_group_ranks(group))
         except KeyError:  # torch's own message is the bare group object
-            raise RuntimeError(f"process group {group!r} is gone (destroy_process_group() was called after it "
-                               f"was created); meshes and DTensors do not outlive their process group: build "
-                               f"a new mesh (init_device_mesh) and new DTensors after initialising again") from None
+            raise RuntimeError(f"process group {group!r} is gone (destroy_process_group() was called after "
+                               f"it was created); meshes and DTensors do not outlive their process group: "
+                               f"build a new mesh (init_device_mesh) and new DTensors after initialising "
+                               f"again") from None
 
     def barrier(self, group=None):
         self._comm._launch("barrier", group, lambda: dist.barrier(group))
@@ -351,6 +352,19 @@ class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, Platform):
     named_buffers, set_buffer, create_tensor = tensor_factories.PLATFORM_METHODS  # DTensor factories
     (free_storage, alloc_storage, untracked, swap_parameter, register_multi_grad_hook, is_autograd_leaf,
      queue_backward_callback) = fully_shard_support.PLATFORM_METHODS  # fully_shard
+
+    @staticmethod
+    def dense(tensor):
+        if tensor.is_contiguous():
+            return tensor
+        # a permutation of a contiguous layout: sorted by stride, each stride is the product of the
+        # sizes below it (size-1 dims place nothing)
+        expected = 1
+        for stride, size in sorted((st, sz) for st, sz in zip(tensor.stride(), tensor.shape) if sz > 1):
+            if stride != expected:
+                return tensor.contiguous()
+            expected *= size
+        return tensor
 
     # ---------------------------------------------------------------- attention kernels
     @staticmethod

@@ -101,9 +101,10 @@ class AutoMode:
             predicted[candidate.name], options[candidate.name] = seconds, candidate
         if not options:
             smallest = min(held.items(), key=lambda kv: kv[1]) if held else ("none", 0)
-            raise ValueError(f"ContextParallel(mode='auto'): no mode fits memory_budget={style.memory_budget} "
-                             f"bytes for {shape} on {mesh.size()} ranks (the smallest, {smallest[0]}, holds "
-                             f"{smallest[1]:.0f} bytes of k/v); raise the budget or use more ranks")
+            raise ValueError(f"ContextParallel(mode='auto'): no mode fits "
+                             f"memory_budget={style.memory_budget} bytes for {shape} on {mesh.size()} ranks "
+                             f"(the smallest, {smallest[0]}, holds {smallest[1]:.0f} bytes of k/v); raise "
+                             f"the budget or use more ranks")
         best, measured = min(options, key=lambda name: (predicted[name], name)), {}
         # timed forward + backward: in training only (under no_grad / inference the call has no
         # backward to time, and an inference-mode tensor cannot take one)

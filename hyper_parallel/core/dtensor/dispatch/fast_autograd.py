@@ -14,7 +14,7 @@ out-of-place call that never exposes them, and a detach costs a third of a view.
 keeps the slow path's view, since its output is the user's DTensor.
 """
 from hyper_parallel.core.dtensor.dtensor import (DTensor, _from_local, _from_local_backward,
-                                                 _input_grad_spec, _to_local)
+                                                 _dense, _input_grad_spec, _to_local)
 from hyper_parallel.platform import get_platform
 
 _make = DTensor._make
@@ -32,7 +32,7 @@ def _to_locals_forward(ctx, grad_specs, passthrough, *dtensors):
 
 def _to_locals_backward(ctx, *grads):
     passthrough = ctx.passthrough
-    return (None, None) + tuple([DTensor._make(g.contiguous(), _input_grad_spec(spec, passthrough))
+    return (None, None) + tuple([DTensor._make(_dense(g), _input_grad_spec(spec, passthrough))
                                  for g, spec in zip(grads, ctx.grad_specs)])
 
 
