@@ -106,7 +106,7 @@ def _local_forward(ctx, out, target_spec):
 def _local_backward(ctx, grad):
     # to_local's backward (the gradient in the target layout), then redistribute's (back to the
     # output's gradient layout)
-    return as_layout(DTensor._make(grad.contiguous(), ctx.target_spec), ctx.grad_spec), None
+    return as_layout(DTensor._make(get_platform().dense(grad), ctx.target_spec), ctx.grad_spec), None
 
 
 def _to_local_as(out, target_spec):

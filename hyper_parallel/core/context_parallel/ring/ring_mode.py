@@ -7,7 +7,7 @@ and, at ``F.scaled_dot_product_attention`` or ``hyper_parallel.attention`` (soft
 window: the ring's block kernels take them), runs the ring kernel on their local blocks instead of
 the attention rule. Attention code that consumes them otherwise is refused: it cannot be ringed."""
 from hyper_parallel.core.context_parallel.movement import to_mode
-from hyper_parallel.core.context_parallel.load_balance import merge_head_tail, split_head_tail
+from hyper_parallel.core.context_parallel.load_balance import merge_head_tail, zigzag_block, zigzag_halves
 from hyper_parallel.core.context_parallel.output import first_output, to_caller
 from hyper_parallel.core.context_parallel.masks.masked_ring import masked_ring_attention
 from hyper_parallel.core.context_parallel.masks.attention_masks import active_masks
@@ -17,7 +17,6 @@ from hyper_parallel.core.dtensor.dispatch.interceptors import Interceptor, inter
 from hyper_parallel.core.dtensor.ops.attention import ARG_NAMES
 from hyper_parallel.core.dtensor.ops.attention_variants import call_variant, local_sinks
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy
-from hyper_parallel.platform import get_platform
 
 
 class RingInterceptor(Interceptor):
@@ -80,7 +79,7 @@ def run_ring(style, inputs, ulysses_dims, ring_dim, call):
     if style.load_balance:
         # zigzag: this rank holds chunks 2r and 2P-1-2r of q, k and v (the DTensor layout below is
         # only used to move heads; the ring kernel knows the true chunk ids)
-        locals_ = [get_platform().cat(split_head_tail(t, seq, mesh, ring_dim), seq) for t in locals_]
+        locals_ = [zigzag_block(t, seq, head, mesh, ring_dim) for t in locals_]
     layout = RingLayout(mesh.group_ranks(ring_dim), mesh.get_local_rank(ring_dim), style.load_balance)
     dts = [DTensor.from_local(t, mesh, p, shape=s)
            for t, p, s in zip(locals_, inputs.placements, inputs.shapes)]
@@ -98,6 +97,7 @@ def run_ring(style, inputs, ulysses_dims, ring_dim, call):
                          "F.scaled_dot_product_attention on q, k, v, so nothing was ringed")
     out_local, out_seq, placements = to_caller(out, inputs, ulysses_dims)
     if style.load_balance:
-        head_out, tail_out = out_local.chunk(2, out_seq)
+        same_layout = out_local.ndim == len(inputs.shapes[0])
+        head_out, tail_out = zigzag_halves(out_local, out_seq, head if same_layout else None)
         out_local = merge_head_tail(head_out, tail_out, out_seq, mesh, ring_dim)
     return out_local, out_seq, placements
