@@ -166,7 +166,11 @@ def run_rank(args):
         print(header(args, world, platform.name, platform.capabilities()), flush=True)
 
     if args.calibrate:
-        return cp_auto.calibrate(args.calibrate, mesh, lead)
+        code = cp_auto.calibrate(args.calibrate, mesh, lead)
+        # a gloo rank that exits with its group alive sometimes aborts ("terminate called without an
+        # active exception"): tear down (a barrier first) as every other path does
+        platform.destroy_process_group()
+        return code
     if args.auto_sweep:
         sweep = cp_auto.auto_sweep(args, lambda cfg: _Bench(cfg, mesh, platform, fw), lead)
         if lead and args.json:
