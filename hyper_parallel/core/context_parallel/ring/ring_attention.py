@@ -17,7 +17,9 @@ and takes the dK/dV accumulator sent during the previous step only after them.
 The ring runs once per group of K/V heads (``HEAD_GROUPS``, see ``_head_ranges``): every per-step
 buffer (the two K/V blocks, the dK/dV hop's send and receive buffers, the kernel's outputs, the
 own block's dK/dV) then covers half the heads, which keeps a rank's peak memory at about twice
-single-device attention for any P; the bytes sent are the same, in twice the messages.
+single-device attention for any P; the bytes sent are the same, in twice the messages. Large
+blocks run four groups (``_group_count``: 1.4-1.5x single-device), where the messages stay large
+enough that their number costs no time.
 
 With ``zigzag`` each rank holds two sequence chunks (ids 2r and 2P-1-2r of 2P, see load_balance.py)
 so every rank does the same causal work.
@@ -41,6 +43,9 @@ from hyper_parallel.platform import get_platform
 
 SEQ, HEADS = -2, -3  # kernels see (batch, heads, seq, dim); the log-sum-exp is (batch, heads, seq)
 HEAD_GROUPS = 2      # rings per call, each on a slice of the K/V heads (one ring for a single K/V head)
+# ...and twice as many once each group's K block is still this large: the per-step buffers halve
+# again, while the messages stay large enough that their count costs nothing measurable
+LARGE_GROUP_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -188,11 +193,18 @@ def _added(acc, x, dtype):
     return x.to(dtype) if acc is None else acc + x
 
 
-def _head_ranges(kv_heads):
-    """(first K/V head, count) of each head group the ring runs on in turn. An odd count splits
-    unevenly, the larger group first: it then runs with nothing waiting beside it, and the smaller
-    group's ring, beside the first group's finished gradients, stays below it."""
-    groups = min(HEAD_GROUPS, kv_heads)
+def _group_count(k):
+    """HEAD_GROUPS, doubled where each of twice as many groups still sends a K block of at least
+    LARGE_GROUP_BYTES (every rank of a ring holds the same shapes, so all choose alike)."""
+    group_bytes = k.numel() * k.element_size() // (2 * HEAD_GROUPS)
+    return 2 * HEAD_GROUPS if group_bytes >= LARGE_GROUP_BYTES else HEAD_GROUPS
+
+
+def _head_ranges(kv_heads, wanted=HEAD_GROUPS):
+    """(first K/V head, count) of each of ``wanted`` head groups the ring runs on in turn. An odd
+    count splits unevenly, the larger group first: it then runs with nothing waiting beside it, and
+    the smaller group's ring, beside the first group's finished gradients, stays below it."""
+    groups = min(wanted, kv_heads)
     bounds = [-(-kv_heads * g // groups) for g in range(groups + 1)]
     return [(bounds[g], bounds[g + 1] - bounds[g]) for g in range(groups)]
 
@@ -202,7 +214,7 @@ def _per_head_group(q, k, tensors, run):
     count) for each head group; the results' pieces concatenated along the heads."""
     groups = q.shape[HEADS] // k.shape[HEADS]
     results = []
-    for start, count in _head_ranges(k.shape[HEADS]):
+    for start, count in _head_ranges(k.shape[HEADS], _group_count(k)):
         sliced = []
         for t in tensors:
             dim = t.ndim + (HEADS if t.ndim == q.ndim else HEADS + 1)
