@@ -20,15 +20,18 @@ def tree_flatten(obj):
     if not isinstance(obj, (list, tuple, dict)):
         return [obj], None
     leaves = []
+    return leaves, _walk(obj, leaves)
 
-    def walk(node):
-        if isinstance(node, (list, tuple)):
-            return (type(node), tuple(walk(x) for x in node))
-        if isinstance(node, dict):
-            return (dict, tuple((k, walk(v)) for k, v in node.items()))
-        leaves.append(node)
-        return None
-    return leaves, walk(obj)
+
+def _walk(node, leaves):
+    # module-level, not a closure: a nested function that calls itself is a reference cycle
+    # through its own cell, which kept the leaves (tensors) alive until the cyclic collector ran
+    if isinstance(node, (list, tuple)):
+        return (type(node), tuple(_walk(x, leaves) for x in node))
+    if isinstance(node, dict):
+        return (dict, tuple((k, _walk(v, leaves)) for k, v in node.items()))
+    leaves.append(node)
+    return None
 
 
 def tree_unflatten(leaves, structure):
@@ -36,16 +39,16 @@ def tree_unflatten(leaves, structure):
         return leaves[0]
     if structure is _FLAT.get(len(leaves)):
         return tuple(leaves), {}
-    it = iter(leaves)
+    return _build(structure, iter(leaves))
 
-    def build(node):
-        if node is None:
-            return next(it)
-        kind, children = node
-        if kind is dict:
-            return {k: build(v) for k, v in children}
-        items = [build(c) for c in children]
-        if kind in (list, tuple):
-            return kind(items)
-        return kind(*items) if hasattr(kind, "_fields") else kind(items)
-    return build(structure)
+
+def _build(node, it):
+    if node is None:
+        return next(it)
+    kind, children = node
+    if kind is dict:
+        return {k: _build(v, it) for k, v in children}
+    items = [_build(c, it) for c in children]
+    if kind in (list, tuple):
+        return kind(items)
+    return kind(*items) if hasattr(kind, "_fields") else kind(items)
