@@ -196,7 +196,7 @@ def _added(acc, x, dtype):
 def _group_count(k):
     """HEAD_GROUPS, doubled where each of twice as many groups still sends a K block of at least
     LARGE_GROUP_BYTES (every rank of a ring holds the same shapes, so all choose alike)."""
-    group_bytes = k.numel() * k.element_size() // (2 * HEAD_GROUPS)
+    group_bytes = k.nbytes // (2 * HEAD_GROUPS)   # .nbytes: torch and MindSpore tensors alike
     return 2 * HEAD_GROUPS if group_bytes >= LARGE_GROUP_BYTES else HEAD_GROUPS
 
 
