@@ -128,6 +128,24 @@ def test_unmasked_ring_with_one_or_an_odd_number_of_kv_heads_matches_single_devi
     assert [len(d) for d in done] == [16] * 4
 
 
+def _four_groups_case(rank, world):
+    """The unmasked (odd and single K/V head counts) and masked cases with four head groups forced
+    (ring_attention.LARGE_GROUP_BYTES = 0; restored after: the pool's workers outlive the case)."""
+    import hyper_parallel.core.context_parallel.ring.ring_attention as ring_module
+    saved, ring_module.LARGE_GROUP_BYTES = ring_module.LARGE_GROUP_BYTES, 0
+    try:
+        return _unmasked_heads_case(rank, world) + _masked_case(rank, world)
+    finally:
+        ring_module.LARGE_GROUP_BYTES = saved
+
+
+def test_four_head_groups_match_single_device():
+    """Four groups (4 K/V heads: one head each; 5: 2 + 1 + 1 + 1; 3: three groups) give the same
+    outputs and gradients as single-device attention, masked and unmasked, zigzag too."""
+    done = run_dist(4, _four_groups_case, timeout=600)
+    assert [len(d) for d in done] == [28] * 4
+
+
 def _bytes_case(rank, world):
     """(forward bytes, backward bytes) sent per kernel, bf16, 2 K/V heads."""
     import torch
