@@ -12,6 +12,7 @@
   attention at the same local length, at P = 2 and 4, for both kernels, also with one K/V head and
   with 3 or 5 K/V heads; and through ContextParallel in every mode, zigzag included.
 """
+import contextlib
 from tests.harness import run_dist
 
 B, HQ, D = 2, 4, 4
@@ -128,15 +129,22 @@ def test_unmasked_ring_with_one_or_an_odd_number_of_kv_heads_matches_single_devi
     assert [len(d) for d in done] == [16] * 4
 
 
-def _four_groups_case(rank, world):
-    """The unmasked (odd and single K/V head counts) and masked cases with four head groups forced
-    (ring_attention.LARGE_GROUP_BYTES = 0; restored after: the pool's workers outlive the case)."""
+@contextlib.contextmanager
+def _four_head_groups():
+    """Every ring call in the block runs four head groups (ring_attention.LARGE_GROUP_BYTES = 0),
+    restored after: the pool's workers outlive a case."""
     import hyper_parallel.core.context_parallel.ring.ring_attention as ring_module
     saved, ring_module.LARGE_GROUP_BYTES = ring_module.LARGE_GROUP_BYTES, 0
     try:
-        return _unmasked_heads_case(rank, world) + _masked_case(rank, world)
+        yield
     finally:
         ring_module.LARGE_GROUP_BYTES = saved
+
+
+def _four_groups_case(rank, world):
+    """The unmasked (odd and single K/V head counts) and masked cases with four head groups forced."""
+    with _four_head_groups():
+        return _unmasked_heads_case(rank, world) + _masked_case(rank, world)
 
 
 def test_four_head_groups_match_single_device():
@@ -287,13 +295,9 @@ def _memory_case(rank, world, heads=((8, 8),), large_groups=False):
     from hyper_parallel.core.context_parallel.ring.ring_attention import RingLayout, ring_attention
     from hyper_parallel.platform import get_platform
 
-    if large_groups:   # the pool's workers outlive the case: restore the threshold after it
-        import hyper_parallel.core.context_parallel.ring.ring_attention as ring_module
-        saved, ring_module.LARGE_GROUP_BYTES = ring_module.LARGE_GROUP_BYTES, 0
-        try:
+    if large_groups:
+        with _four_head_groups():
             return _memory_case(rank, world, heads)
-        finally:
-            ring_module.LARGE_GROUP_BYTES = saved
     L = 64
     ratios = {}
     for hq, hkv in heads:
