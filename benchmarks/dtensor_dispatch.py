@@ -8,7 +8,7 @@ block (attention projections and SwiGLU MLP, the same tensor-parallel plan for b
 forward + backward + SGD step, end to end. ``--json PATH`` writes the numbers.
 
 The calls repeat, so hyper_parallel serves them from its dispatch fast path after the first
-(core/dtensor/fast_path.py: local op -> wrap). The last op row repeats the chain on inputs that
+(core/dtensor/dispatch/fast_path.py: local op -> wrap). The last op row repeats the chain on inputs that
 require grad, where both libraries also build autograd nodes.
 """
 import argparse

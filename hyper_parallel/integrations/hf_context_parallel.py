@@ -9,7 +9,7 @@ Masks. With a custom attention name transformers builds no mask (its mask factor
 own names), and a mask built from a rank's block would be wrong anyway: keys live on every rank.
 So a forward pre-hook on the base model, once per forward, all-gathers the blocks of the 2-D
 padding ``attention_mask`` and of ``position_ids`` over the CP ranks (O(B·S) integers) and turns
-them into ``attention_masks`` (core/context_parallel/masks.py), which every CP mode applies
+them into ``attention_masks`` (core/context_parallel/masks/), which every CP mode applies
 (Ulysses, all-gather KV ± load balance, hybrid, ring ± zigzag) tile by tile, without an S×S mask.
 They reproduce transformers' sdpa path on one device:
 

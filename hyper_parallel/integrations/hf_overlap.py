@@ -2,7 +2,7 @@
 (``parallelize_model(model, mesh, overlap=True, chunks=n)``).
 
 ContextParallel sits at the attention call, after the projections and RoPE, so on its own it can
-only overlap what follows that call (its head-chunk pipeline, core/context_parallel/overlap.py).
+only overlap what follows that call (its head-chunk pipeline, core/context_parallel/overlap/pipeline.py).
 Heads are independent up to the output projection, so here the block itself runs in n head
 groups: group c's rows of q_proj / k_proj / v_proj, its per-head norms (Qwen3) and RoPE, then
 ``start_attention`` launches group c's fused q/k/v collective and returns; group c+1's

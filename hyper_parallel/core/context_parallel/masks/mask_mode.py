@@ -2,7 +2,7 @@
 layouts (Ulysses, all-gather KV with or without load balancing, their hybrid).
 
 The mode distributes q, k, v as usual; the module is then called with a dispatch interceptor
-(core/dtensor/interceptors.py) following them, which at ``F.scaled_dot_product_attention`` runs the
+(core/dtensor/dispatch/interceptors.py) following them, which at ``F.scaled_dot_product_attention`` runs the
 masked tile kernel (masked_attention.py) on the local blocks. Which global query rows and keys a
 rank holds is read from the DTensor layouts at that point (q: a sequence block, a head-tail chunk
 or everything; k/v: the whole sequence), so one interceptor serves every mode. The batch rows come

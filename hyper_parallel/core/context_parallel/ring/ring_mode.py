@@ -2,7 +2,7 @@
 over the remaining sequence dim instead of all-gathering K/V.
 
 The user's module is called with q, k, v as DTensors, as in every mode; a dispatch interceptor
-(core/dtensor/interceptors.py) follows them through the module's relayouts (transpose, view...)
+(core/dtensor/dispatch/interceptors.py) follows them through the module's relayouts (transpose, view...)
 and, at ``F.scaled_dot_product_attention`` or ``hyper_parallel.attention`` (soft-capping, sinks, a
 window: the ring's block kernels take them), runs the ring kernel on their local blocks instead of
 the attention rule. Attention code that consumes them otherwise is refused: it cannot be ringed."""
