@@ -17,6 +17,8 @@ Kinds (``dims``): ``"all_to_all"`` (split_dim, concat_dim; adjoint: the inverse 
 ``"all_gather"`` (dim,; adjoint: a reduce-scatter sum). ``observer(event)``, if given, hears
 "start", "wait", "grad_start" and "grad_wait" when they happen (tests check the overlap order).
 """
+import weakref
+
 KINDS = ("all_to_all", "all_gather")
 
 
@@ -85,17 +87,19 @@ def _wait_backward(ctx, grad):
     return grad.new_zeros((0,)), None
 
 
-_CACHE = {}
+# keyed by the platform object itself, weakly: an entry lives exactly as long as its platform
+# (an id() key could be inherited by a later platform at the same address)
+_CACHE: "weakref.WeakKeyDictionary[object, tuple]" = weakref.WeakKeyDictionary()
 
 
 def _functions(platform):
     """(Start, Wait) autograd functions of ``platform``, built once."""
-    key = id(platform)
-    if key not in _CACHE:
+    functions = _CACHE.get(platform)
+    if functions is None:
         make = platform.make_autograd_function
-        _CACHE[key] = (make("SplitCollectiveStart", _start_forward, _start_backward),
-                       make("SplitCollectiveWait", _wait_forward, _wait_backward))
-    return _CACHE[key]
+        functions = _CACHE[platform] = (make("SplitCollectiveStart", _start_forward, _start_backward),
+                                        make("SplitCollectiveWait", _wait_forward, _wait_backward))
+    return functions
 
 
 def start(platform, kind, tensor, group, dims, observer=None):
