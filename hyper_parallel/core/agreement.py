@@ -1,0 +1,249 @@
+"""One check that the ranks agree on the settings of a feature (SPEC §19 "Ranks that disagree").
+
+A feature (ContextParallel, linear attention, the chunked loss, fully_shard, ...) names what
+must be the same on every rank of its mesh: ``settings``, a mapping name -> value (ints, floats
+including NaN/inf, bools, strings, None, tuples, tensors by their metadata, or a ``Deferred``
+content digest). Each rank encodes them into a vector of FIXED length whatever the settings:
+
+    [crc32(feature), crc32(sorted names), count, crc32(value of name 0), ..., crc32(rest)]
+
+(names sorted; more than ``MAX_FIELDS`` settings fold the rest into the last field). The vector
+and its negation are min-reduced over the mesh (``rank_check.mesh_min_max``: one small all-reduce
+per mesh dim), so every rank learns which fields differ and all ranks raise the same ValueError,
+naming the feature, the setting(s) that differ, this rank's value and the fix. A fixed length
+matters: a message whose size depended on the settings would itself abort gloo.
+
+When the exchange runs (the schedule). Every rank decides locally, without communicating, and a
+rank that enters the exchange while a peer does not would wait for it (or, worse, meet the peer's
+next data collective). The decision key is therefore ``(feature, mesh, signature, the encoded
+eager settings)``: the check runs at the first call with a key and again whenever the key
+changes (a new shape, another ``is_causal``, ...), and never for a key that passed before.
+In a correct program every rank computes the same key, so every rank takes the same decision:
+all enter the exchange together, or none does; a repeated call adds no collective and no host
+sync. Ranks that disagree from a call on (the usual case: a setting, a mask or a shape differs
+per rank) all have a new key at that call, so they all check and all raise. ``Deferred`` values
+(a content digest of a mask, of labels) are left out of the key: they change every step, so
+they are computed and compared only when a check runs anyway (``every_only=True``: only under
+``HP_CHECK_RANKS=every``).
+
+What the schedule gives up: a rank whose settings change ALONE to a key it has not verified,
+after all ranks verified a common key, enters the exchange alone. Its peers carry on into their
+next collective; the ranks meet on mismatched collectives, which the mesh's ``timeout=``
+(``init_device_mesh(..., timeout=)``) bounds, or gloo aborts on the size mismatch. The symmetric
+case (a rank falling back to a key it verified earlier while a peer moves to a new one) is the
+same. Catching those would take a message on every call; ``HP_CHECK_RANKS=every`` does exactly
+that (every call exchanges, so the first such call raises a ValueError on every rank). The
+environment variable must be set alike on every rank.
+
+Caches live in ``BoundedCache`` (emptied at ``reset_platform``); callers build signatures from
+``lifetime_key`` (never ``id()``), so a verified decision never outlives its object.
+"""
+import math
+import os
+import zlib
+from collections.abc import Hashable, Mapping
+from typing import Callable, Optional
+
+import numpy as np
+
+from hyper_parallel.core.bounded_cache import BoundedCache
+from hyper_parallel.core.dtensor.rank_check import dtype_name, mesh_min_max
+from hyper_parallel.platform import get_platform
+
+CHECK_ENV = "HP_CHECK_RANKS"
+MAX_FIELDS = 24
+_HEADER = ("feature", "setting names", "number of settings")
+_MASK = (1 << 31) - 1
+
+
+def check_every() -> bool:
+    """``HP_CHECK_RANKS=every``: exchange the settings on every call (debugging; one small
+    all-reduce per call and per mesh dim)."""
+    value = os.environ.get(CHECK_ENV, "").strip().lower()
+    if value in ("", "first", "default"):
+        return False
+    if value in ("every", "all", "1", "on", "true", "yes"):
+        return True
+    raise ValueError(f"{CHECK_ENV}={value!r} is not understood: set it to 'every' (check that the ranks "
+                     f"agree on every call) or unset it (check at the first call of each signature)")
+
+
+class Deferred:
+    """A setting computed only when the exchange runs (``fn()`` -> any encodable value), left out
+    of the schedule's key: for content digests that change every step (mask documents, labels).
+    ``every_only``: computed and compared only under ``HP_CHECK_RANKS=every``."""
+
+    __slots__ = ("fn", "every_only")
+
+    def __init__(self, fn: Callable[[], object], every_only: bool = False) -> None:
+        self.fn, self.every_only = fn, bool(every_only)
+
+
+# ---------------------------------------------------------------------- encoding
+def _is_tensor(value: object) -> bool:
+    return hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, np.generic)
+
+
+def _canonical(value: object) -> str:
+    """A text equal on two ranks exactly when the values are the same setting: 2 == 2.0 (numbers
+    by value), True is not 1, NaN equals NaN, a tensor is its dtype and shape."""
+    if value is None or isinstance(value, (bool, np.bool_)):
+        return f"b:{value}"
+    if isinstance(value, (int, np.integer)):
+        v = int(value)
+        return f"n:{float(v)!r}" if abs(v) < (1 << 53) else f"i:{v}"
+    if isinstance(value, (float, np.floating)):
+        v = float(value)
+        return "n:nan" if math.isnan(v) else f"n:{v!r}"
+    if isinstance(value, str):
+        return f"s:{value}"
+    if isinstance(value, (tuple, list)):
+        return "t:(" + ",".join(_canonical(v) for v in value) + ")"
+    if isinstance(value, Mapping):
+        return "m:{" + ",".join(f"{k}={_canonical(value[k])}" for k in sorted(value, key=str)) + "}"
+    if _is_tensor(value):
+        return f"T:{dtype_name(value.dtype)}{tuple(int(s) for s in value.shape)}"
+    return f"r:{type(value).__name__}:{value!r}"
+
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode()) & _MASK
+
+
+def _field(value: object) -> tuple:
+    """(crc, shown text) of one setting; never raises (a rank that raised here would leave its
+    peers in the exchange)."""
+    try:
+        if isinstance(value, Deferred):
+            value = value.fn()
+        text = _canonical(value)
+        shown = (f"{dtype_name(value.dtype)} tensor of shape {tuple(int(s) for s in value.shape)}"
+                 if _is_tensor(value) else repr(value))
+    except Exception as exc:  # noqa: BLE001 - reported through the exchange instead
+        text = shown = f"<cannot read: {type(exc).__name__}: {exc}>"
+    return _crc(text), shown
+
+
+def _host_array(tensor: object) -> np.ndarray:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    if hasattr(local, "asnumpy"):           # MindSpore
+        try:
+            return local.asnumpy()
+        except TypeError:                   # bfloat16: numpy has none
+            return local.astype(np.float32).asnumpy()
+    local = local.detach().cpu()
+    try:
+        return local.numpy()
+    except TypeError:
+        return local.float().numpy()
+
+
+def tensor_digest(tensor: object) -> Optional[str]:
+    """A text equal on ranks holding equal tensors (dtype, shape and bytes; NaNs made canonical);
+    None for None. Reads the tensor to the host: only use inside ``Deferred``."""
+    if tensor is None:
+        return None
+    array = np.ascontiguousarray(_host_array(tensor))
+    if array.dtype.kind in "fc":
+        array = np.where(np.isnan(array), np.nan, array)
+    body = zlib.crc32(array.tobytes())
+    return f"{dtype_name(tensor.dtype)}{tuple(int(s) for s in tensor.shape)}#{body:08x}"
+
+
+def _encode(feature: str, settings: Mapping, every: bool) -> tuple:
+    """(vector, names, shown texts) of this rank's settings."""
+    names = sorted(str(n) for n in settings)
+    by_name = {str(n): v for n, v in settings.items()}
+    crcs, shown = [], []
+    for name in names:
+        value = by_name[name]
+        if isinstance(value, Deferred) and value.every_only and not every:
+            crc, text = 0, "<compared under HP_CHECK_RANKS=every>"
+        else:
+            crc, text = _field(value)
+        crcs.append(crc)
+        shown.append(text)
+    head = crcs[:MAX_FIELDS - 1] + [0] * max(0, MAX_FIELDS - 1 - len(crcs))
+    rest = _crc(repr(crcs[MAX_FIELDS - 1:])) if len(crcs) >= MAX_FIELDS else 0
+    vector = [_crc(feature), _crc(repr(names)), len(names)] + head + [rest]
+    return vector, names, shown
+
+
+def _key_fields(settings: Mapping) -> tuple:
+    """The eager settings' encoding: the part of the schedule's key that settings contribute."""
+    return tuple((str(n), _field(v)[0]) for n, v in sorted(settings.items(), key=lambda kv: str(kv[0]))
+                 if not isinstance(v, Deferred))
+
+
+# ---------------------------------------------------------------------- the exchange
+_VERIFIED = BoundedCache(4096)
+
+
+def _group_key(mesh_or_group: object) -> Hashable:
+    if hasattr(mesh_or_group, "get_group"):
+        return ("mesh", mesh_or_group)
+    return ("group", mesh_or_group)
+
+
+def _peers(mesh_or_group: object) -> int:
+    if hasattr(mesh_or_group, "get_group"):
+        return 0 if mesh_or_group.get_coordinate() is None else mesh_or_group.size()
+    return get_platform().get_world_size(mesh_or_group)
+
+
+def _min_max(mesh_or_group: object, vector: list) -> tuple:
+    if hasattr(mesh_or_group, "get_group"):
+        device = mesh_or_group.device_type
+        device = None if device in (None, "cpu", "meta") else device
+        return mesh_min_max(mesh_or_group, vector, device)
+    platform = get_platform()
+    both = platform.tensor([int(v) for v in vector] + [-int(v) for v in vector])
+    both = [int(v) for v in platform.all_reduce(both, mesh_or_group, "min", tag="shape_check").tolist()]
+    n = len(vector)
+    return both[:n], [-v for v in both[n:]]
+
+
+def check_agreement(mesh_or_group: object, feature: str, settings: Mapping[str, object], *,
+                    signature: Optional[Hashable] = None, fix: Optional[str] = None) -> None:
+    """ValueError on every rank of ``mesh_or_group`` (a DeviceMesh or a process group) unless
+    every rank passes the same ``settings`` for ``feature``. Exchanges one small fixed-length
+    message at the first call of each (feature, mesh, signature, eager settings) key, and on
+    every call under ``HP_CHECK_RANKS=every`` (schedule and its limits: module docstring).
+    ``signature``: what else distinguishes the call site (e.g. ``lifetime_key(style)``, shapes);
+    ``fix``: the sentence telling the user what to do, appended to the error."""
+    if _peers(mesh_or_group) <= 1:
+        return
+    every = check_every()
+    key = (feature, _group_key(mesh_or_group), signature, _key_fields(settings))
+    if not every and key in _VERIFIED:
+        return
+    vector, names, shown = _encode(feature, settings, every)
+    mins, maxs = _min_max(mesh_or_group, vector)
+    if mins == maxs:
+        _VERIFIED.add(key)   # only once every rank passed: a call that raised is checked again
+        return
+    raise ValueError(_message(mesh_or_group, feature, names, shown, mins, maxs, fix))
+
+
+def _message(mesh_or_group: object, feature: str, names: list, shown: list, mins: list, maxs: list,
+             fix: Optional[str]) -> str:
+    rank = get_platform().get_rank()
+    where = mesh_or_group if hasattr(mesh_or_group, "get_group") else "its process group"
+    fix = fix or "pass the same value on every rank"
+    if mins[0] != maxs[0]:
+        return (f"{feature}: the ranks of {where} reached different checks (rank {rank} checks {feature}): "
+                f"they call the library's features in a different order or a different number of times; "
+                f"make every rank run the same code path")
+    if mins[1:3] != maxs[1:3]:
+        return (f"{feature}: the ranks of {where} pass different sets of settings (rank {rank} has "
+                f"{names}); make every rank take the same code path (same arguments, same options)")
+    differ = [i for i in range(len(names)) if i < MAX_FIELDS - 1 and mins[3 + i] != maxs[3 + i]]
+    parts = [f"{names[i]} (rank {rank} has {_show(shown[i])})" for i in differ]
+    if mins[-1] != maxs[-1]:
+        parts.append(f"one of {names[MAX_FIELDS - 1:]}")
+    return (f"{feature}: the ranks of {where} disagree on {', '.join(parts)}; every rank must pass the same "
+            f"settings ({CHECK_ENV}=every checks every call). Fix: {fix}")
+
+
+def _show(text: str) -> str:
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -1,0 +1,17 @@
+"""Ranks that disagree (SPEC §19, issue 36 item 1): the agreement check and every feature that
+uses it. Every case must raise the same ValueError on every rank naming the setting, and leave the
+ranks in step; meshes carry a short timeout so a regression fails instead of hanging the suite."""
+import pytest
+
+from tests.cases import agreement as neutral
+from tests.harness.frameworks import framework_worlds, run_on
+
+
+@pytest.mark.parametrize("framework,world_size", framework_worlds(2, 4, mindspore=(2,)))
+def test_agreement_table(framework, world_size):
+    assert run_on(framework, world_size, neutral.table, timeout=120) == [True] * world_size
+
+
+@pytest.mark.parametrize("framework,world_size", framework_worlds(2, mindspore=(2,)))
+def test_agreement_schedule(framework, world_size):
+    assert run_on(framework, world_size, neutral.schedule, timeout=120) == [True] * world_size

@@ -1,0 +1,101 @@
+"""check_agreement on any framework: a table of setting kinds x ways to disagree.
+
+Each case: one rank (the last) passes another value; EVERY rank must raise a ValueError naming the
+feature, the setting and this rank's value; then a collective must still work (the ranks are in
+step). Values that mean the same setting (2 and 2.0, NaN and NaN) must agree. A repeated identical
+call adds no collective; ``HP_CHECK_RANKS=every`` exchanges on every call.
+"""
+import os
+
+import numpy as np
+
+from tests.frameworks import close, expect_error, inp, t
+
+# (setting name, the value of every other rank, the odd rank's value); names are unique per case so
+# each case is the first call of its key
+DISAGREE = [
+    ("window", 4, 5),
+    ("scale", 0.125, 0.12500001),
+    ("softcap", float("nan"), 30.0),
+    ("bound", float("inf"), float("-inf")),
+    ("is_causal", True, False),
+    ("flag_vs_int", True, 1),
+    ("kv_exchange", "ring", "allgather"),
+    ("sinks", None, (2, 4)),
+    ("dims", (1, 2), (2, 1)),
+    ("nothing_vs_zero", None, 0),
+]
+AGREE = [("int_float", 2, 2.0), ("nan", float("nan"), float("nan")), ("inf", float("inf"), float("inf"))]
+
+
+def _in_step(mesh, what):
+    """A collective after the error: every rank must reach it with buffers of one size."""
+    from hyper_parallel import DTensor, Shard
+    x = inp("agree-step", 0, (2 * mesh.size(), 3))
+    me = mesh.get_local_rank(0)
+    dt = DTensor.from_local(t(x[2 * me:2 * me + 2]), mesh, [Shard(0)])
+    close(dt.full_tensor(), x, f"in step after {what}")
+
+
+def table(rank, world_size):
+    from hyper_parallel import init_device_mesh
+    from hyper_parallel.core.agreement import Deferred, check_agreement, tensor_digest
+    mesh = init_device_mesh("cpu", (world_size,), timeout=20)
+    odd = rank == world_size - 1
+    for name, value, other in DISAGREE:
+        mine = other if odd else value
+        expect_error(ValueError, lambda: check_agreement(mesh, "Feature", {name: mine, "same": 1},
+                                                         fix="do the thing"),
+                     "Feature", f"disagree on {name} (rank {rank} has {mine!r})", "Fix: do the thing")
+        _in_step(mesh, name)
+    for name, value, other in AGREE:
+        check_agreement(mesh, "Feature", {name: other if odd else value})
+    # tensors by metadata: dtype and shape
+    a = t(np.zeros((2, 3), np.float32))
+    b = t(np.zeros((2, 4), np.float32)) if odd else a
+    expect_error(ValueError, lambda: check_agreement(mesh, "Feature", {"mask": b}), "disagree on mask",
+                 f"float32 tensor of shape {tuple(b.shape)}")
+    # a content digest, computed only when the exchange runs
+    ids = t(np.array([0, 0, 1, 1 if not odd else 2], np.int64))
+    expect_error(ValueError, lambda: check_agreement(mesh, "Feature", {"documents": Deferred(
+        lambda: tensor_digest(ids))}), "disagree on documents")
+    _in_step(mesh, "digest")
+    # another set of names / another feature: the header fields
+    names = {"a": 1, "b": 2} if odd else {"a": 1}
+    expect_error(ValueError, lambda: check_agreement(mesh, "Other", names), "different sets of settings")
+    expect_error(ValueError, lambda: check_agreement(mesh, "Linear" if odd else "Attention", {"x": 1}),
+                 "reached different checks")
+    _in_step(mesh, "header")
+    return True
+
+
+def schedule(rank, world_size):
+    """No collective for a repeated key; a changed setting (on every rank) checks again; under
+    HP_CHECK_RANKS=every every call checks, and an every_only digest is compared."""
+    from hyper_parallel import init_device_mesh
+    from hyper_parallel.core.agreement import Deferred, check_agreement, tensor_digest
+    from hyper_parallel.core.comm_mode import CommDebugMode
+    mesh = init_device_mesh("cpu", (world_size,), timeout=20)
+    labels = t(np.arange(6, dtype=np.int64) + (rank == world_size - 1))
+    settings = {"chunk": 3, "labels": Deferred(lambda: tensor_digest(labels), every_only=True)}
+    with CommDebugMode() as first:
+        check_agreement(mesh, "Sched", settings, signature=("sig", 1))
+    with CommDebugMode() as later:
+        for _ in range(3):
+            check_agreement(mesh, "Sched", settings, signature=("sig", 1))
+    with CommDebugMode() as changed:
+        check_agreement(mesh, "Sched", dict(settings, chunk=4), signature=("sig", 1))
+    assert first.get_total_counts() == 1 and changed.get_total_counts() == 1, (first.counts, changed.counts)
+    assert later.get_total_counts() == 0, later.get_comm_counts()
+    os.environ["HP_CHECK_RANKS"] = "every"
+    try:
+        expect_error(ValueError, lambda: check_agreement(mesh, "Sched", settings, signature=("sig", 1)),
+                     "disagree on labels")
+        _in_step(mesh, "labels")
+        with CommDebugMode() as every:
+            for _ in range(2):
+                check_agreement(mesh, "Sched", {"chunk": 3}, signature=("sig", 1))
+        assert every.get_total_counts() == 2, every.get_comm_counts()
+    finally:
+        os.environ.pop("HP_CHECK_RANKS", None)
+    return True
