@@ -1,5 +1,5 @@
-"""pytest configuration: stop the multi-process worker pools when the session ends, and print the
-op sweep's table (tests/test_op_sweep.py) when it ran."""
+"""pytest configuration: opt-in markers (``*_full``), stop the multi-process worker pools when the
+session ends, and print the op sweep's table (tests/test_op_sweep.py) when it ran."""
 import os
 import sys
 
@@ -14,15 +14,23 @@ os.environ.setdefault("HP_CP_DEBUG", "1")
 from tests.harness import shutdown_pools
 
 
+def _opt_in_markers(config):
+    """Markers named ``*_full`` (the whole op sweep, the whole Hugging Face sweep, ...) are exhaustive
+    runs: registered in setup.cfg, skipped unless asked for by name in -m."""
+    names = [line.split(":")[0].strip() for line in config.getini("markers")]
+    return [name for name in names if name.endswith("_full")]
+
+
 def pytest_collection_modifyitems(config, items):
-    """The full op sweep runs only when asked for by name (-m op_sweep_full); any other -m, or none,
-    leaves it out."""
-    if "op_sweep_full" in (config.getoption("-m") or ""):
-        return
-    skip = pytest.mark.skip(reason="the full op sweep is opt-in: pytest -m op_sweep_full")
-    for item in items:
-        if "op_sweep_full" in item.keywords:
-            item.add_marker(skip)
+    """An opt-in marker runs only when -m names it; any other -m, or none, leaves its tests out."""
+    chosen = config.getoption("-m") or ""
+    for marker in _opt_in_markers(config):
+        if marker in chosen:
+            continue
+        skip = pytest.mark.skip(reason=f"opt-in: pytest -m {marker}")
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 def pytest_sessionfinish(session, exitstatus):
