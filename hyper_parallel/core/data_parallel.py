@@ -16,6 +16,7 @@ DTensor parameters (tensor parallel) reduce their local gradient: their shards a
 tensors on different TP ranks, the same tensor on different DP ranks, so the DP mesh must not share
 a rank with the DTensor's own mesh.
 """
+from hyper_parallel.core.arguments import check_float
 from hyper_parallel.core.data_parallel_checks import Switchable, check_disjoint_meshes, check_one_dim
 from hyper_parallel.core.data_parallel_tuple import tuple_data_parallel
 from hyper_parallel.core.dtensor.dtensor import DTensor
@@ -155,6 +156,7 @@ def data_parallel(module, device_mesh, *, average=True, bucket_mb=DEFAULT_BUCKET
 
     MindSpore (gradients as one tuple): pass the ``nn.TrainOneStepCell``; its ``grad_reducer``
     becomes the all-reduce (``core/data_parallel_tuple.py``, docs/training.md)."""
+    check_float("data_parallel", "bucket_mb", bucket_mb, positive=True, fix="the bucket size in MB (e.g. 25)")
     if getattr(module, "_hp_grad_reducer", None) is not None:
         raise ValueError("data_parallel was already applied to this module")
     if getattr(get_platform(), "gradients_as_tuple", False):

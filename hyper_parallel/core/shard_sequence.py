@@ -26,6 +26,7 @@ average=False)`` — a sum — gives every rank exactly the gradient of the sing
 whatever the number of padded or ignored tokens per rank. (With ``average=True`` and a per-rank
 mean loss, the result is exact only when every rank holds the same number of counted tokens.)
 """
+from hyper_parallel.core.arguments import check_int
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 
 
@@ -73,6 +74,7 @@ def shard_sequence(tensors, device_mesh, seq_dim=1, load_balance=False):
     if not isinstance(device_mesh, DeviceMesh):
         raise ValueError(f"shard_sequence needs a context-parallel DeviceMesh (e.g. mesh['cp']), got "
                          f"{device_mesh!r}")
+    check_int("shard_sequence", "seq_dim", seq_dim, fix="the sequence dim of the tensors (1: (batch, seq, ...))")
     index = _block_index(device_mesh, load_balance)
     if isinstance(tensors, (list, tuple)):
         out = [None if t is None else _block(t, device_mesh, seq_dim, load_balance, index) for t in tensors]

@@ -10,14 +10,13 @@ hybrid, and the ring and ``attention_masks`` interceptors run their block kernel
 variant. Every argument is checked here, before anything moves; what a mode cannot compute is a
 ValueError naming the argument, never an argument dropped.
 """
-import numbers
-
+from hyper_parallel.core.arguments import check_int, check_optional_float
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.ops.attention_variant_kernel import Variant, variant_attention
 from hyper_parallel.core.dtensor.ops.attention_variants import AttentionExtras
 
 
-def _check(query, key, value, softcap, sinks, window, is_causal):
+def _check(query, key, value, softcap, sinks, window, is_causal, scale):
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.ndim != 4:
             raise ValueError(f"hyper_parallel.attention: {name} is {t.ndim}-D; pass (batch, heads, seq, dim)")
@@ -25,11 +24,12 @@ def _check(query, key, value, softcap, sinks, window, is_causal):
     if kv_heads != value.shape[1] or heads % kv_heads:
         raise ValueError(f"hyper_parallel.attention: {heads} query heads need a divisor as key/value heads, "
                          f"got key {kv_heads}, value {value.shape[1]}")
-    if softcap is not None and (not isinstance(softcap, numbers.Real) or softcap <= 0):
-        raise ValueError(f"hyper_parallel.attention: softcap={softcap!r} must be a positive number (or None)")
+    who = "hyper_parallel.attention"
+    check_optional_float(who, "softcap", softcap, positive=True,
+                         fix="a positive finite cap (e.g. 50.0) or None")
+    check_optional_float(who, "scale", scale, fix="a finite scale or None (1/sqrt(dim))")
     if window is not None:
-        if not isinstance(window, numbers.Integral) or isinstance(window, bool) or window < 1:
-            raise ValueError(f"hyper_parallel.attention: window={window!r} must be a positive int (or None)")
+        check_int(who, "window", window, minimum=1, fix="the number of keys back (e.g. 4096) or None")
         if not is_causal:
             raise ValueError("hyper_parallel.attention: window needs is_causal=True (a sliding window counts "
                              "keys back from the query)")
@@ -50,7 +50,7 @@ def attention(query, key, value, *, is_causal=False, scale=None, softcap=None, s
     each score s becomes c·tanh(s / c) before the mask. sinks: one logit per query head added to
     the softmax denominator (no value; differentiable). window w (with is_causal): query i sees
     keys i - w < j <= i. k/v may have fewer heads (GQA: each serves a group of query heads)."""
-    _check(query, key, value, softcap, sinks, window, is_causal)
+    _check(query, key, value, softcap, sinks, window, is_causal, scale)
     variant = Variant(bool(is_causal), scale, softcap or None, window)
     dtensors = [t for t in (query, key, value) if isinstance(t, DTensor)]
     if not dtensors:

@@ -11,7 +11,7 @@ from hyper_parallel.platform import get_platform
 
 
 def _check_src(src_index, mesh):
-    if not isinstance(src_index, int) or not 0 <= src_index < mesh.size():
+    if isinstance(src_index, bool) or not isinstance(src_index, int) or not 0 <= src_index < mesh.size():
         raise ValueError(f"src_data_rank={src_index!r} is not a rank of {mesh} (a position 0..{mesh.size() - 1} in "
                          f"its rank_list, as in PyTorch); or pass None to use each rank's own copy")
 

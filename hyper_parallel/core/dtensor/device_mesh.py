@@ -11,6 +11,7 @@ import threading
 
 import numpy as np
 
+from hyper_parallel.core.arguments import check_optional_float
 from hyper_parallel.platform import get_platform
 
 _state = threading.local()
@@ -334,9 +335,8 @@ def init_device_mesh(device_type, mesh_shape, *, mesh_dim_names=None, timeout=No
     own, and the mesh's groups (also a mesh over the whole world) are new groups with ``timeout``.
     Sub-meshes (slices, flatten) inherit it.
     """
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"init_device_mesh timeout={timeout!r}: give a positive number of seconds (or None "
-                         f"for the framework's default)")
+    check_optional_float("init_device_mesh", "timeout", timeout, positive=True,
+                         fix="a positive number of seconds, or None for the framework's default")
     mesh_shape = _check_shape(mesh_shape)  # before the process group: a bad shape fails alike everywhere
     platform = get_platform()
     if not platform.is_initialized():

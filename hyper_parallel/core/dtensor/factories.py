@@ -16,7 +16,7 @@ __all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "resolve_mesh"]
 def _size(size, who):
     if len(size) == 1 and hasattr(size[0], "__len__"):  # zeros((2, 3)) as well as zeros(2, 3)
         size = tuple(size[0])
-    if not all(isinstance(s, int) and s >= 0 for s in size):
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in size):
         raise ValueError(f"{who}: size must be non-negative ints, got {size!r}")
     return tuple(int(s) for s in size)
 

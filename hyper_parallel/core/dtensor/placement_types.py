@@ -5,6 +5,7 @@ applied *after* the later mesh dims (of total size k) that split the same tensor
 splits heads that TP split first. ``Replicate()``: every rank holds it all. ``Partial(op)``: the
 value is the reduction (sum/avg/max/min) of the ranks' local tensors.
 """
+from hyper_parallel.core.arguments import check_int
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -30,9 +31,7 @@ class Shard(Placement):
     __slots__ = ("dim",)
 
     def __init__(self, dim):
-        if not isinstance(dim, int):
-            raise ValueError(f"Shard(dim) needs an int dim, got {dim!r}")
-        self.dim = dim
+        self.dim = check_int("Shard", "dim", dim, fix="the int tensor dim to split")
 
     def is_shard(self, dim=None):
         return dim is None or dim == self.dim

@@ -7,6 +7,7 @@ needs no other change: everything else in a GDN / KDA layer is token-local.
 """
 import contextlib
 
+from hyper_parallel.core.arguments import check_delta_rule_numbers
 from hyper_parallel.core.context_parallel.linear_attention.chunk_rule import chunk_delta_rule
 from hyper_parallel.core.context_parallel.linear_attention.conv_halo import context_parallel_causal_conv1d
 from hyper_parallel.core.context_parallel.linear_attention.delta_rule import context_parallel_delta_rule
@@ -34,6 +35,7 @@ def delta_rule(q, k, v, g, beta, initial_state=None, chunk_size=64, use_qk_l2nor
     """The gated delta rule's output (b, t, h_v, d_v): q, k (b, t, h_k, d_k); v (b, t, h_v, d_v);
     g (b, t, h_v) log-decay per head (GDN) or (b, t, h_v, d_k) per channel (KDA); beta (b, t, h_v).
     Under ``LinearAttentionContextParallel``: this rank's block, exact."""
+    check_delta_rule_numbers(chunk_size, scale)
     cp = active()
     if cp is None:
         return chunk_delta_rule(q, k, v, g, beta, initial_state, chunk_size, use_qk_l2norm, scale)[0]

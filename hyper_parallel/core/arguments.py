@@ -1,0 +1,78 @@
+"""Checks of the numeric arguments of every public entry point (SPEC §19), in one place.
+
+A NaN softcap, an infinite scale or ``chunks=True`` is accepted by arithmetic and surfaces much later
+as NaN outputs or a tile of one token; each entry point calls one of these before anything moves,
+so the error names the entry point, the argument, its value and the fix. ``bool`` is never taken
+for an int (``True`` is 1 to Python, never what the caller meant); NaN and ±inf are never taken
+for a float. Each check returns the value as a Python ``int`` / ``float``.
+"""
+import math
+import numbers
+
+__all__ = ["check_int", "check_float", "check_optional_int", "check_optional_float"]
+
+
+def _fail(who, name, value, problem, fix):
+    advice = f"; pass {fix}" if fix else ""
+    raise ValueError(f"{who}({name}={value!r}): {problem}{advice}")
+
+
+def check_int(who: str, name: str, value, *, minimum=None, maximum=None, fix: str = "") -> int:
+    """``value`` as an int; ValueError naming ``who(name=value)`` unless it is an integer (not a bool)
+    in [minimum, maximum]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        _fail(who, name, value, f"must be an int, not {type(value).__name__}", fix)
+    value = int(value)
+    if minimum is not None and value < minimum:
+        _fail(who, name, value, f"must be >= {minimum}", fix)
+    if maximum is not None and value > maximum:
+        _fail(who, name, value, f"must be <= {maximum}", fix)
+    return value
+
+
+def check_float(who: str, name: str, value, *, positive: bool = False, minimum=None, maximum=None,
+                fix: str = "") -> float:
+    """``value`` as a finite float; ValueError naming ``who(name=value)`` unless it is a real number (not
+    a bool), not NaN or ±inf, > 0 when ``positive``, and in [minimum, maximum]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        _fail(who, name, value, f"must be a number, not {type(value).__name__}", fix)
+    value = float(value)
+    if not math.isfinite(value):
+        _fail(who, name, value, "must be finite (not NaN or infinite)", fix)
+    if positive and value <= 0:
+        _fail(who, name, value, "must be > 0", fix)
+    if minimum is not None and value < minimum:
+        _fail(who, name, value, f"must be >= {minimum}", fix)
+    if maximum is not None and value > maximum:
+        _fail(who, name, value, f"must be <= {maximum}", fix)
+    return value
+
+
+def check_optional_int(who: str, name: str, value, **limits):
+    """None, or ``check_int``."""
+    return None if value is None else check_int(who, name, value, **limits)
+
+
+def check_optional_float(who: str, name: str, value, **limits):
+    """None, or ``check_float``."""
+    return None if value is None else check_float(who, name, value, **limits)
+
+
+# ------------------------------------------------------------------ entry points with several numbers
+def check_context_parallel(seq_dim, head_dim, ulysses_degree, chunks, memory_budget) -> None:
+    """ContextParallel / AsyncContextParallel's numeric arguments."""
+    who = "ContextParallel"
+    check_int(who, "seq_dim", seq_dim, fix="the sequence dim of q, k, v (1 for BSHD, 2 for BNSD)")
+    check_int(who, "head_dim", head_dim, fix="the heads dim of q, k, v (2 for BSHD, 1 for BNSD)")
+    check_optional_int(who, "ulysses_degree", ulysses_degree, minimum=1,
+                       fix="a positive int dividing the CP size, or None")
+    check_int(who, "chunks", chunks, minimum=1,
+              fix="the head groups overlap=True pipelines (1 turns the pipelining off)")
+    check_optional_float(who, "memory_budget", memory_budget, positive=True,
+                         fix="a positive number of bytes per rank, or None")
+
+
+def check_delta_rule_numbers(chunk_size, scale) -> None:
+    """The linear-attention delta rule's chunk size and scale (plain and under context parallelism)."""
+    check_int("delta_rule", "chunk_size", chunk_size, minimum=1, fix="tokens per chunk of the rule (64)")
+    check_optional_float("delta_rule", "scale", scale, fix="a finite scale, or None (1/sqrt(d_k))")
