@@ -39,6 +39,7 @@ _EXPORTS = {
     "parallelize_module": "hyper_parallel.core.tensor_parallel",
     "loss_parallel": "hyper_parallel.core.tensor_parallel",
     "ContextParallel": "hyper_parallel.core.context_parallel",
+    "ExpertParallel": "hyper_parallel.core.expert_parallel",
     "AsyncContextParallel": "hyper_parallel.core.context_parallel",
     "attention": "hyper_parallel.core.context_parallel",
     "attention_masks": "hyper_parallel.core.context_parallel",

@@ -11,6 +11,7 @@ parallel ranks (``mesh["dp", "cp"].flatten()``): see docs/training.md.
 """
 from hyper_parallel.integrations.hf_chunked_loss import apply_chunked_loss, check_loss_option
 from hyper_parallel.integrations.hf_context_parallel import apply_context_parallel, prepare_context_parallel
+from hyper_parallel.integrations.hf_expert_parallel import apply_expert_parallel, check_expert_parallel
 from hyper_parallel.integrations.hf_linear_attention import make_linear_attention_exact
 from hyper_parallel.integrations.hf_mla import make_mla_exact
 from hyper_parallel.integrations.hf_tensor_parallel import apply_tensor_parallel, translate_plan
@@ -33,7 +34,7 @@ def _sub_mesh(mesh, name, role):
 
 
 def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shard", average=True, loss=None,
-                      cp_mode=None, **context_parallel_kwargs):
+                      cp_mode=None, ep=None, **context_parallel_kwargs):
     """Tensor parallelism on mesh dim ``tp`` (the model's ``base_model_tp_plan``) and context-parallel
     attention on mesh dim ``cp`` (``context_parallel_kwargs`` go to ``ContextParallel``, e.g.
     ``ulysses_degree=1``, ``load_balance=True``, ``kv_exchange="ring"``; ``linear_attention="allgather"``
@@ -61,6 +62,8 @@ def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shar
         raise ValueError(f"parallelize_model(average=False) sets fully_shard's gradient reduction, but the "
                          f"mesh {device_mesh.mesh_dim_names} has no {dp_shard!r} dim; pass "
                          f"data_parallel(model, mesh, average=False) for replicated data parallelism")
+    if ep is not None:   # MoE experts split over mesh dim(s) ``ep`` (hf_expert_parallel.py, SPEC §17)
+        check_expert_parallel(model, device_mesh, ep, fsdp, tp_mesh is not None)
     if cp_mode is not None:
         context_parallel_kwargs["mode"] = cp_mode
     if context_parallel_kwargs and cp_mesh is None:
@@ -78,6 +81,8 @@ def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shar
         apply_tensor_parallel(model, tp_mesh)
     if state is not None:
         apply_context_parallel(model, state, context_parallel_kwargs)
+    if ep is not None:
+        apply_expert_parallel(model, device_mesh, ep, (dp_shard, cp), average)
     if fsdp:
         from hyper_parallel.integrations.hf_fully_shard import apply_fully_shard
         apply_fully_shard(model, device_mesh, dp_shard, cp if cp_mesh is not None else None, average)

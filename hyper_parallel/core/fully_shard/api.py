@@ -107,7 +107,10 @@ def _own_parameters(module):
     platform = get_platform()
     inner = set()
     for _, sub in platform.named_modules(module):
-        if sub is not module and getattr(sub, "_hp_fsdp_state", None) is not None:
+        # an expert-parallel experts module is its own unit (hf_expert_parallel.py) or none at all:
+        # its parameters are split over the ep ranks already, which must not gather them
+        unit = getattr(sub, "_hp_fsdp_state", None) is not None
+        if sub is not module and (unit or getattr(sub, "_hp_expert_parallel", None) is not None):
             inner.update(id(m) for _, m in platform.named_modules(sub))
     found = {}
     for _, sub in platform.named_modules(module):

@@ -1,0 +1,130 @@
+"""ExpertParallel: a Mixture-of-Experts layer's experts split over an ``ep`` mesh (SPEC §17).
+
+    ExpertParallel().apply(moe_block_or_experts, mesh["ep"])
+
+The stacked expert tensors become DTensors sharded on the expert dim (rank r holds experts
+[r·E/ep, (r+1)·E/ep)); the router (outside the experts module) stays replicated, shared experts stay
+dense. The experts module's forward keeps its Hugging Face signature ``(hidden_states, top_k_index,
+top_k_weights)`` and dispatches each rank's own tokens (dispatch.py).
+
+Gradients: an expert's gradient arrives summed over every ep rank's loss. With ``average=True``
+(data parallelism averages the other gradients over the data ranks) it is scaled by 1 / ep; a
+fully_shard over the remaining data ranks then averages over those. ``average=False`` keeps the sum
+(a loss normalised by the global token count).
+"""
+import zlib
+from typing import Dict, Tuple
+
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.dtensor.placement_types import Shard
+from hyper_parallel.core.dtensor.rank_check import mesh_min_max
+from hyper_parallel.core.expert_parallel.dispatch import GradScale, dispatch_combine
+from hyper_parallel.core.expert_parallel.experts import (check_layout, expert_parameter_names, find_experts,
+                                                         grouped_compute)
+from hyper_parallel.core.tensor_parallel.base import ParallelStyle, shard_parameters
+from hyper_parallel.platform import get_platform
+
+_SETTINGS = ("num_experts", "top_k", "hidden", "dtype", "average", "ep")
+
+
+def _router_top_k(module: object) -> int:
+    for name in ("gate", "router"):
+        child = getattr(module, name, None)
+        top_k = getattr(child, "top_k", None)
+        if isinstance(top_k, int):
+            return top_k
+    return 0
+
+
+class ExpertState:
+    """What the wrapped forward needs: the mesh, the expert count and the gradient convention."""
+
+    def __init__(self, module: object, mesh: object, num_experts: int, average: bool) -> None:
+        self.module, self.mesh, self.num_experts, self.average = module, mesh, num_experts, average
+        self.ep = mesh.size()
+        self.group = mesh.get_group(0)
+        self.names = expert_parameter_names(module)
+        self.verified = set()
+
+    def check(self, hidden: object, top_k_index: object) -> None:
+        """Shape checks on every rank, then (first call of a signature) the ranks' agreement on the
+        routing settings: one small all-reduce, so disagreeing ranks all raise instead of
+        exchanging mismatched splits."""
+        top_k = int(top_k_index.shape[-1])
+        if top_k > self.num_experts:
+            raise ValueError(f"ExpertParallel: top-k {top_k} exceeds the {self.num_experts} experts; route each "
+                             f"token to at most num_experts experts")
+        if int(top_k_index.shape[0]) != int(hidden.shape[0]) or len(hidden.shape) != 2:
+            raise ValueError(f"ExpertParallel: hidden_states {tuple(hidden.shape)} and top_k_index "
+                             f"{tuple(top_k_index.shape)} must be (tokens, hidden) and (tokens, top_k)")
+        values = (self.num_experts, top_k, int(hidden.shape[-1]), str(hidden.dtype), self.average, self.ep)
+        if values in self.verified:
+            return
+        # TODO(agreement): core.agreement.check_agreement(mesh, "expert_parallel", settings) once committed
+        fields = [zlib.crc32(repr(v).encode()) & 0x7FFFFFFF for v in values]
+        mins, maxs = mesh_min_max(self.mesh, fields)
+        differ = [name for name, lo, hi in zip(_SETTINGS, mins, maxs) if lo != hi]
+        if differ:
+            mine = ", ".join(f"{n}={v!r}" for n, v in zip(_SETTINGS, values) if n in differ)
+            raise ValueError(f"ExpertParallel: the ranks of the ep mesh disagree on {', '.join(differ)} (this "
+                             f"rank: {mine}); every rank must route with the same settings")
+        self.verified.add(values)
+
+    def local_parameters(self) -> Dict[str, object]:
+        platform = get_platform()
+        local = {}
+        for name, param in platform.named_parameters(self.module):
+            if name not in self.names:
+                continue
+            tensor = param.to_local() if isinstance(param, DTensor) else param
+            local[name] = GradScale(tensor, 1.0 / self.ep) if self.average and self.ep > 1 else tensor
+        return local
+
+
+def _make_forward(state: ExpertState):
+    def wrap(original):
+        def forward(hidden_states: object, top_k_index: object, top_k_weights: object) -> object:
+            state.check(hidden_states, top_k_index)
+            local = state.local_parameters()
+            return dispatch_combine(hidden_states, top_k_index, top_k_weights, state.num_experts, state.group,
+                                    state.ep, lambda rows, counts: grouped_compute(state.module, local, rows,
+                                                                                   counts))
+        forward.__wrapped__ = original
+        return forward
+    return wrap
+
+
+class ExpertParallel(ParallelStyle):
+    """Split a MoE layer's experts over a 1-D ep mesh (a flattened one for several dims); each rank
+    keeps and routes its own tokens. ``average``: see the module docstring."""
+
+    def __init__(self, *, average: bool = True) -> None:
+        if not isinstance(average, bool):
+            raise ValueError(f"ExpertParallel(average={average!r}): pass True or False")
+        self.average = average
+
+    def apply(self, module: object, device_mesh: object) -> object:
+        if device_mesh is None or getattr(device_mesh, "ndim", None) != 1:
+            raise ValueError(f"ExpertParallel: pass a 1-D ep mesh (mesh['ep'], or mesh['dp_shard', 'cp']."
+                             f"flatten() for several dims), got {device_mesh!r}")
+        experts, _ = find_experts(module)
+        if getattr(experts, "_hp_expert_parallel", None) is not None:
+            raise ValueError("ExpertParallel was already applied to these experts")
+        num = check_layout(experts)
+        validate_degrees(num, device_mesh.size(), _router_top_k(module))
+        names = expert_parameter_names(experts)
+        shard_parameters(experts, device_mesh, {name: Shard(0) for name in names}, self.src_data_rank)
+        state = ExpertState(experts, device_mesh, num, self.average)
+        experts._hp_expert_parallel = state
+        get_platform().replace_forward(experts, _make_forward(state))
+        return module
+
+
+def validate_degrees(num_experts: int, ep: int, top_k: int) -> Tuple[int, int]:
+    """(experts per rank, ep) or a ValueError naming the bad value; local, so every rank raises."""
+    if ep < 1 or num_experts % ep:
+        raise ValueError(f"ExpertParallel: {num_experts} experts are not divisible by the ep size {ep}; "
+                         f"choose an ep degree that divides the expert count")
+    if top_k > num_experts:
+        raise ValueError(f"ExpertParallel: top-k {top_k} exceeds the {num_experts} experts")
+    return num_experts // ep, ep

@@ -1,0 +1,143 @@
+"""Expert parallelism inside ``parallelize_model(..., ep="dp_shard")`` or ``ep=("dp_shard", "cp")``.
+
+Every MoE block's stacked experts are split over the ep ranks (``ExpertParallel``); those ranks keep
+their own tokens (data / sequence blocks). What remains of the data ranks (the fully_shard mesh's
+dims minus the ep dims) shards the expert parameters with fully_shard, one unit per experts module,
+before parallelize_model shards the decoder layers (fully_shard leaves expert-parallel modules to
+their own unit). Routers and shared experts stay with their layer.
+
+The router's load-balancing loss is recomputed over the global tokens of the data ranks
+(``load_balancing_loss``): the model's forward runs with ``output_router_logits=False`` and the
+router logits are captured by forward hooks, so no rank-local auxiliary loss is computed.
+"""
+import math
+from typing import List, Optional, Sequence, Tuple
+
+from hyper_parallel.core.expert_parallel import ExpertParallel, load_balancing_loss
+from hyper_parallel.core.expert_parallel.experts import is_stacked_experts
+from hyper_parallel.core.expert_parallel.style import validate_degrees
+from hyper_parallel.core.fully_shard import fully_shard
+from hyper_parallel.platform import get_platform
+
+_NUM_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
+_TOP_K = ("num_experts_per_tok", "num_experts_per_token")
+
+
+def _config_int(config: object, names: Sequence[str]) -> int:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
+def ep_dims(mesh: object, ep: object) -> Tuple[str, ...]:
+    """The ep mesh dims as a tuple; a ValueError naming a dim the mesh lacks."""
+    dims = (ep,) if isinstance(ep, str) else tuple(ep) if isinstance(ep, (tuple, list)) else None
+    if not dims or not all(isinstance(d, str) for d in dims) or len(set(dims)) != len(dims):
+        raise ValueError(f"parallelize_model(ep={ep!r}): pass a mesh dim name or a tuple of distinct names, "
+                         f"e.g. ep='dp_shard' or ep=('dp_shard', 'cp')")
+    names = tuple(mesh.mesh_dim_names or ())
+    missing = [d for d in dims if d not in names]
+    if missing:
+        raise ValueError(f"parallelize_model(ep={ep!r}): the mesh {names} has no {missing[0]!r} dim; name an "
+                         f"existing dim (mesh_dim_names=...)")
+    return dims
+
+
+def _moe_blocks(model: object) -> List[object]:
+    platform = get_platform()
+    return [module for _, module in platform.named_modules(model)
+            if any(name == "experts" and is_stacked_experts(child) for name, child in platform.named_children(module))]
+
+
+def _sub(mesh: object, dims: Sequence[str]) -> Optional[object]:
+    if not dims:
+        return None
+    if mesh.ndim == len(dims) == 1:
+        return mesh
+    sub = mesh[dims[0]] if len(dims) == 1 else mesh[tuple(dims)]
+    return sub if sub.ndim == 1 else sub.flatten("_".join(dims))
+
+
+def check_expert_parallel(model: object, mesh: object, ep: object, data_parallel: bool = True,
+                          tensor_parallel: bool = False) -> Tuple[str, ...]:
+    """Every check that needs no communication: the dims, the expert count against the ep size,
+    top-k against the expert count, and that the model has stacked experts at all."""
+    dims = ep_dims(mesh, ep)
+    if not data_parallel:
+        raise ValueError(f"parallelize_model(ep={ep!r}) needs the mesh's dp_shard dim: the non-expert "
+                         f"gradients are reduced by fully_shard (data_parallel would all-reduce the split "
+                         f"experts too); name the data dim 'dp_shard' or pass dp_shard=")
+    if tensor_parallel:
+        raise ValueError(f"parallelize_model(ep={ep!r}) with a tensor-parallel dim is not supported yet (the "
+                         f"model's TP plan would split the experts' features too); drop tp= or ep=")
+    size = math.prod(mesh[d].size() if mesh.ndim > 1 else mesh.size() for d in dims)
+    config = getattr(model, "config", None)
+    num, top_k = _config_int(config, _NUM_EXPERTS), _config_int(config, _TOP_K)
+    blocks = _moe_blocks(model)
+    if not blocks:
+        raise ValueError(f"parallelize_model(ep={ep!r}): {type(model).__name__} has no MoE layer with stacked "
+                         f"experts (an 'experts' module with 3-D gate_up_proj / down_proj)")
+    num = num or int(dict(get_platform().named_parameters(blocks[0].experts))["gate_up_proj"].shape[0])
+    validate_degrees(num, size, top_k)
+    return dims
+
+
+def apply_expert_parallel(model: object, mesh: object, ep: object, data_dims: Sequence[str],
+                          average: bool) -> object:
+    """Split the experts over ``ep``, fully_shard them over ``data_dims`` minus ``ep`` and make the
+    load-balancing loss global over ``data_dims``."""
+    dims = check_expert_parallel(model, mesh, ep)
+    ep_mesh = _sub(mesh, dims)
+    names = tuple(mesh.mesh_dim_names or ())
+    data_dims = [d for d in data_dims if d is not None and d in names]
+    rest = _sub(mesh, [d for d in data_dims if d not in dims and mesh[d].size() > 1])
+    for block in _moe_blocks(model):
+        ExpertParallel(average=average).apply(block.experts, ep_mesh)
+        if rest is not None:
+            fully_shard(block.experts, rest, average=average)
+    data_mesh = _sub(mesh, list(dict.fromkeys(list(data_dims) + list(dims))))
+    _global_aux_loss(model, data_mesh.get_group(0))
+    return model
+
+
+def _routers(model: object) -> List[object]:
+    found = []
+    for block in _moe_blocks(model):
+        router = getattr(block, "gate", None) or getattr(block, "router", None)
+        if router is not None:
+            found.append(router)
+    return found
+
+
+def _global_aux_loss(model: object, group: object) -> None:
+    """Route the model's auxiliary loss through ``load_balancing_loss`` over ``group``."""
+    config = getattr(model, "config", None)
+    coef = getattr(model, "router_aux_loss_coef", None)
+    if coef is None or not hasattr(config, "output_router_logits"):
+        return   # DeepSeek-V3 / Kimi-Linear: no auxiliary loss (bias-based balancing)
+    platform, routers = get_platform(), _routers(model)
+    num, top_k = _config_int(config, _NUM_EXPERTS), _config_int(config, _TOP_K)
+
+    def wrap(original):
+        def forward(*args, **kwargs):
+            want = kwargs.pop("output_router_logits", None)
+            if not (config.output_router_logits if want is None else want):
+                return original(*args, output_router_logits=False, **kwargs)
+            captured = []
+            hooks = [platform.register_forward_hook(r, lambda _m, _i, out: captured.append(out[0]))
+                     for r in routers]
+            try:
+                out = original(*args, output_router_logits=False, **kwargs)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+            aux = load_balancing_loss(captured, num, top_k, group, mask)
+            out["aux_loss"], out["router_logits"] = aux, tuple(captured)
+            if out.loss is not None:
+                out["loss"] = out.loss + coef * aux
+            return out
+        return forward
+    platform.replace_forward(model, wrap)

