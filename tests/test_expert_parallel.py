@@ -8,7 +8,7 @@ from tests.harness import run_dist
 
 pytest.importorskip("transformers")
 
-VOCAB, SEQ = 64, 8
+VOCAB, SEQ = 64, 12
 _BASE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=VOCAB, max_position_embeddings=64)
 _AUX = dict(output_router_logits=True, router_aux_loss_coef=0.1)
@@ -70,41 +70,96 @@ def _full(tensor):
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def train_case(rank, world_size, family, ep, steps=2):
-    """ep over every rank (mesh ('dp_shard',)): ``steps`` AdamW steps against one process."""
+def _check_step(model, ref, opt, ref_opt, what, out, ref_out):
+    """Aux loss, every gradient, then one AdamW step: the weights."""
+    import torch
+    if ref_out.aux_loss is not None:
+        torch.testing.assert_close(out.aux_loss.detach(), ref_out.aux_loss.detach(), atol=1e-6, rtol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(_full(p.grad), q.grad, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m, n=name: f"{what} grad {n}: {m}")
+    opt.step()
+    ref_opt.step()
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(_full(p.detach()), q.detach(), atol=1e-5, rtol=1e-5,
+                                   msg=lambda m, n=name: f"{what} weight {n}: {m}")
+
+
+def _optimizers(model, ref):
+    import torch
+    # eps 1e-6, lr 1e-3: Adam turns a gradient of ~1e-9 into a full step whatever its rounding;
+    # gradients are compared exactly before the step
+    return (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (model, ref))
+
+
+def train_case(rank, world_size, family, steps=2):
+    """ep over every rank (mesh ('dp_shard',)), losses averaged: ``steps`` AdamW steps against one
+    process on the global batch."""
     import torch
     from hyper_parallel import DTensor, init_device_mesh
     from hyper_parallel.integrations.transformers import parallelize_model
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
-    model = parallelize_model(make(family), mesh, ep="dp_shard")
-    ref = make(family)
+    model, ref = parallelize_model(make(family), mesh, ep="dp_shard"), make(family)
     experts = [p for n, p in model.named_parameters() if ".experts." in n]
-    assert experts and all(isinstance(p, DTensor) and p.to_local().shape[0] == 8 // ep for p in experts)
-    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (model, ref))
-    group = mesh.get_group(0)
+    assert experts and all(isinstance(p, DTensor) and p.to_local().shape[0] == 8 // world_size for p in experts)
+    opt, ref_opt = _optimizers(model, ref)
     for step in range(steps):
         out = model(input_ids=ids(rank, step), labels=ids(rank, step))
         out.loss.backward()
         batch = torch.cat([ids(i, step) for i in range(world_size)])
         ref_out = ref(input_ids=batch, labels=batch)
         ref_out.loss.backward()
-        torch.testing.assert_close(_mean_over_ranks(out.loss, group), ref_out.loss.detach(), atol=1e-5, rtol=1e-5)
-        if ref_out.aux_loss is not None:
-            torch.testing.assert_close(out.aux_loss.detach(), ref_out.aux_loss.detach(), atol=1e-6, rtol=1e-5)
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(_full(p.grad), q.grad, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{family} {n}: {m}")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(_full(p.detach()), q.detach(), atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{family} {n}: {m}")
+        torch.testing.assert_close(_mean_over_ranks(out.loss, mesh.get_group(0)), ref_out.loss.detach(),
+                                   atol=1e-5, rtol=1e-5)
+        _check_step(model, ref, opt, ref_opt, f"{family} ep={world_size}", out, ref_out)
+    return True
+
+
+def _shifted(tokens):
+    import torch
+    return torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], -100)], 1)
+
+
+def cp_case(rank, world_size, family, ep, steps=2):
+    """Mesh (dp_shard 2, cp 2): experts over ``ep`` ('dp_shard': then fully_shard-ed over cp; or
+    ('dp_shard', 'cp')), each rank its sequence block; the ranks' losses sum to the global loss
+    (``average=False``, the global token count)."""
+    import torch
+    from hyper_parallel import get_platform, init_device_mesh, shard_sequence
+    from hyper_parallel.integrations.transformers import parallelize_model
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
+    model, ref = parallelize_model(make(family), mesh, ep=ep, average=False), make(family)
+    opt, ref_opt = _optimizers(model, ref)
+    for step in range(steps):
+        tokens = ids(mesh.get_local_rank(0), step)
+        count = torch.tensor(2 * (SEQ - 1))
+        local_ids, local_labels = shard_sequence([tokens, _shifted(tokens)], mesh["cp"])
+        out = model(input_ids=local_ids, labels=local_labels, shift_labels=local_labels, num_items_in_batch=count)
+        out.loss.backward()
+        batch = torch.cat([ids(i, step) for i in range(2)])
+        ref_out = ref(input_ids=batch, labels=batch)
+        ref_out.loss.backward()
+        total = out.loss.detach().clone()
+        for d in range(2):
+            total = get_platform().all_reduce(total, mesh.get_group(d), "sum")
+        torch.testing.assert_close(total, ref_out.loss.detach(), atol=1e-5, rtol=1e-5)
+        _check_step(model, ref, opt, ref_opt, f"{family} ep={ep}", out, ref_out)
     return True
 
 
 def families_case(rank, world_size, families):
-    return [train_case(rank, world_size, family, world_size) for family in families]
+    return [train_case(rank, world_size, family) for family in families]
+
+
+def cp_families_case(rank, world_size, cases):
+    return [cp_case(rank, world_size, family, ep) for family, ep in cases]
 
 
 def test_families_ep2():
     assert run_dist(2, families_case, ["qwen3_moe"]) == [[True]] * 2
+
+
+def test_scratch_cp():
+    assert run_dist(4, cp_families_case, [("qwen3_moe", ("dp_shard", "cp")), ("qwen3_moe", "dp_shard")]) == [[True] * 2] * 4

@@ -98,7 +98,7 @@ def apply_expert_parallel(model: object, mesh: object, ep: object, data_dims: Se
         if rest is not None:
             fully_shard(block.experts, rest, average=average)
     data_mesh = _sub(mesh, list(dict.fromkeys(list(data_dims) + list(dims))))
-    _global_aux_loss(model, data_mesh.get_group(0))
+    _global_aux_loss(model, data_mesh.get_group(0), 1 if average else data_mesh.size())
     return model
 
 
@@ -111,8 +111,10 @@ def _routers(model: object) -> List[object]:
     return found
 
 
-def _global_aux_loss(model: object, group: object) -> None:
-    """Route the model's auxiliary loss through ``load_balancing_loss`` over ``group``."""
+def _global_aux_loss(model: object, group: object, share: int) -> None:
+    """Route the model's auxiliary loss through ``load_balancing_loss`` over ``group``. Each rank
+    adds ``coef · aux / share``: the whole term where the ranks' losses are averaged, a 1 / R share
+    where they are summed (``average=False``: the losses add up to the global loss)."""
     config = getattr(model, "config", None)
     coef = getattr(model, "router_aux_loss_coef", None)
     if coef is None or not hasattr(config, "output_router_logits"):
@@ -137,7 +139,7 @@ def _global_aux_loss(model: object, group: object) -> None:
             aux = load_balancing_loss(captured, num, top_k, group, mask)
             out["aux_loss"], out["router_logits"] = aux, tuple(captured)
             if out.loss is not None:
-                out["loss"] = out.loss + coef * aux
+                out["loss"] = out.loss + (coef / share) * aux
             return out
         return forward
     platform.replace_forward(model, wrap)
