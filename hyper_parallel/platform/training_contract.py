@@ -43,6 +43,16 @@ class ShardedDataParallelContract:
         """Run ``callback()`` once the current backward pass has finished (called during backward)."""
         raise unavailable("queue_backward_callback (fully_shard)", self)
 
+    def register_optimizer_step_pre_hook(self, hook):
+        """``hook(optimizer, args, kwargs)`` before every optimizer step (fully_shard checks that an
+        optimizer holds the parameters the model uses); frameworks without such a hook: none."""
+        return None
+
+    def register_grad_arrival_hook(self, param, hook):
+        """``hook(param)`` when a backward delivers a gradient for ``param``, before it is added to
+        ``param.grad`` (data_parallel); returns a handle with ``remove()``."""
+        raise unavailable("register_grad_arrival_hook (data_parallel)", self)
+
 
 class TrainingLoopContract(ShardedDataParallelContract):
     """Declared members of the training loop (MindSpore: training.py implements them)."""

@@ -11,6 +11,7 @@ from hyper_parallel.core.fully_shard.mixed_precision import check_policy
 from hyper_parallel.core.fully_shard.param import FSDPParam
 from hyper_parallel.core.fully_shard.param_group import FSDPParamGroup
 from hyper_parallel.core.fully_shard.state import FSDPState
+from hyper_parallel.core.fully_shard import wrap_state
 from hyper_parallel.core.fully_shard.tuple_grads import TupleUnit
 from hyper_parallel.platform import get_platform
 
@@ -27,9 +28,14 @@ def fully_shard(module, mesh, *, reshard_after_forward=True, mp_policy=None, ave
     policy = check_policy(mp_policy)
     mesh_info = FSDPMeshInfo(mesh)
     owned = _own_parameters(module)
+    wrap_state.check_wrappable(module, owned)
     if get_platform().gradients_as_tuple:
         return _tuple_fully_shard(module, owned, mesh_info, policy, average)
-    params = [FSDPParam(locations, param, mesh_info) for param, locations in owned]
+    paths = wrap_state.module_paths(module)
+    params = [FSDPParam(locations, param, mesh_info, wrap_state.describe(paths, module, locations))
+              for param, locations in owned]
+    for (param, _), fsdp_param in zip(owned, params):
+        wrap_state.record(param, fsdp_param.sharded, fsdp_param.text)
     group = FSDPParamGroup(params, mesh_info, policy, average)
     group.reshard_after_forward = reshard_after_forward
     state = FSDPState(module, group)

@@ -14,15 +14,18 @@ import math
 
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
 from hyper_parallel.core.dtensor.layout import chunk_range
+from hyper_parallel.core.fully_shard import wrap_state
 from hyper_parallel.platform import get_platform
 
 
 class FSDPParam:
-    def __init__(self, locations, param, mesh_info):
-        """``locations``: every (module, attribute name) holding ``param`` (tied weights have several)."""
+    def __init__(self, locations, param, mesh_info, text=None):
+        """``locations``: every (module, attribute name) holding ``param`` (tied weights have several);
+        ``text``: how errors name it (its path in the unit)."""
         platform = get_platform()
         self.locations = locations
         name = f"{type(locations[0][0]).__name__}.{locations[0][1]}"
+        self.text = text or name
         self.tp_spec = param._spec if isinstance(param, DTensor) else None
         full = platform.detach(param._local_tensor if self.tp_spec is not None else param)
         if len(full.shape) == 0:
@@ -60,6 +63,7 @@ class FSDPParam:
         current = dict(get_platform().named_parameters(module)).get(attr)
         replaced = current is not self.sharded and isinstance(current, DTensor)
         if replaced and current._spec == self.sharded._spec:
+            wrap_state.retire(self.sharded, self.text)
             self.sharded = current
             self.swap(current)
         local = self.sharded._local_tensor
@@ -67,6 +71,13 @@ class FSDPParam:
             raise ValueError(f"fully_shard: parameter {attr} of {type(module).__name__} is still on the meta "
                              f"device; call model.to_empty(device=...) and initialise the parameters before "
                              f"the first forward")
+
+    def set_requires_grad(self, flag):
+        """Adopt a ``requires_grad`` the user changed after wrapping, on both of its objects."""
+        self.requires_grad = flag
+        for tensor in (self.sharded, self.unsharded):
+            if tensor is not None and bool(tensor.requires_grad) != flag:
+                tensor.requires_grad_(flag)
 
     def init_unsharded(self, dtype):
         """Create the unsharded tensor once (its memory freed until the first unshard)."""

@@ -5,6 +5,7 @@ Layout of a rank's flat buffer: each parameter's padded piece at its ``offset``.
 output is [ranks, flat size]; parameter p's full tensor is column block p, rows in rank order.
 The reduce-scatter input has that same layout, so each rank receives exactly its flat buffer.
 """
+from hyper_parallel.core.fully_shard import wrap_state
 from hyper_parallel.core.fully_shard.mixed_precision import compute_dtypes
 from hyper_parallel.platform import get_platform
 
@@ -29,6 +30,21 @@ class FSDPParamGroup:
         self.requires_gradient_sync = True
         self.backward_pending = False   # ran forward with gradients since its last reduction
         self.trainable = [p for p in params if p.requires_grad]
+
+    def sync_with_module(self):
+        """The root's check at each forward (wrap_state.py): adopt a ``requires_grad`` or dtype the
+        user changed since wrapping; True if anything changed."""
+        if not self.params:
+            return False
+        held_sharded = self.state != UNSHARDED
+        may_retype = self.state == SHARDED
+        changed = [wrap_state.sync_param(p, held_sharded, may_retype) for p in self.params]
+        if not any(changed):
+            return False
+        self.trainable = [p for p in self.params if p.requires_grad]
+        if may_retype:
+            self.lazy_init()   # one dtype per unit, and the gathered tensors in the new one
+        return True
 
     def dtypes(self):
         orig = self.params[0].orig_dtype if self.params else None

@@ -16,9 +16,15 @@ class Schedule:
         self._post = []
         self.backward_order = []
         self.pending_final = False           # the end-of-backward callback is queued
+        self.in_forward = False              # the root's forward is running
 
     def begin_forward(self):
         self._pre, self._post = [], []
+        self.in_forward = True
+
+    def calls_of(self, state):
+        """How many times ``state`` started its forward since the root's last began."""
+        return sum(s is state for s in self._pre)
 
     def record_pre_forward(self, state):
         self._pre.append(state)
@@ -28,6 +34,7 @@ class Schedule:
         self.backward_order = list(reversed(self._post))
 
     def end_forward(self):
+        self.in_forward = False
         if self._pre:
             self.forward_order = list(self._pre)
 

@@ -13,6 +13,8 @@ backward, launches what is left, waits for the reductions and hands out the shar
 """
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.dtensor.dispatch.tree import tree_flatten
+from hyper_parallel.core.agreement import check_every
+from hyper_parallel.core.fully_shard import wrap_state
 from hyper_parallel.core.fully_shard.param_group import UNSHARDED
 from hyper_parallel.core.fully_shard.schedule import Schedule
 from hyper_parallel.platform import get_platform
@@ -30,6 +32,9 @@ class FSDPState:
         platform = get_platform()
         platform.register_forward_pre_hook(module, self._pre_forward, with_kwargs=True)
         platform.register_forward_hook(module, self._post_forward, with_kwargs=True)
+        holders = {id(m): m for p in group.params for m, _ in p.locations if m is not module}
+        for holder in holders.values():
+            platform.register_forward_pre_hook(holder, self._check_gathered)
 
     # ------------------------------------------------------------------ lazy initialisation
     def _lazy_init(self):
@@ -46,23 +51,44 @@ class FSDPState:
                 # it ran alone before and was its own root; this root's hooks cover it now
                 state._remove_grad_hooks()
                 state._remove_grad_hooks = None
-        if self._remove_grad_hooks is None:
-            trainable = [p.unsharded for s in states for p in s.group.trainable]
-            # the hooks only queue the end-of-backward callback (a backward that skipped the root's output)
-            self._remove_grad_hooks = platform.register_grad_ready_hooks(trainable, lambda param: None,
-                                                                         self._finish_unless_queued)
+        paths = wrap_state.module_paths(self.module)
+        for state in states:
+            state.path = paths[id(state.module)] or f"the root {type(self.module).__name__}"
+            for p in state.group.params:
+                module, attr = p.locations[0]
+                p.text = f"'{'.'.join(filter(None, (paths.get(id(module)), attr)))}'"
+        self._register_grad_hooks()
+        self._synced = False     # the wrap state is checked across ranks at the first forward
+
+    def _register_grad_hooks(self):
+        if self._remove_grad_hooks is not None:
+            self._remove_grad_hooks()
+        trainable = [p.unsharded for s in self.schedule.states for p in s.group.trainable]
+        # the hooks only queue the end-of-backward callback (a backward that skipped the root's output)
+        self._remove_grad_hooks = get_platform().register_grad_ready_hooks(trainable, lambda param: None,
+                                                                           self._finish_unless_queued)
+
+    def _sync_wrap_state(self):
+        """Root, each forward: what the user changed since wrapping (wrap_state.py); a change, the
+        first forward and every forward under HP_CHECK_RANKS=every are checked across the ranks."""
+        changed = [s.group.sync_with_module() for s in self.schedule.states]
+        if any(changed):
+            self._register_grad_hooks()
+        if any(changed) or not self._synced or check_every():
+            wrap_state.agree(self.group.mesh_info.mesh, self.schedule.states, self.schedule)
+            self._synced = True
 
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, module, args, kwargs):
         if self.schedule is None:
             self._lazy_init()
         if self.is_root:
-            for state in self.schedule.states:  # parameters replaced since (to_empty, load)
-                if state.group.state != UNSHARDED:
-                    for p in state.group.params:
-                        p.refresh()
+            self._sync_wrap_state()
             self.schedule.begin_forward()
+        elif not self.schedule.in_forward:
+            self._standalone_forward()
         self.schedule.record_pre_forward(self)
+        wrap_state.agree_call(self.group.mesh_info.mesh, self, self.schedule.calls_of(self))
         self.group.wait_for_unshard()
         following = self.schedule.next_forward(self)
         if following is not None:
@@ -73,6 +99,21 @@ class FSDPState:
         if policy.param_dtype is not None and policy.cast_forward_inputs:
             args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
         return args, kwargs
+
+    def _check_gathered(self, holder, args):
+        """A sub-module holding this unit's parameters runs: they must be gathered, which they are
+        inside the unit's forward (or after ``unshard()``). Called on its own (``model.inp(x)``
+        instead of ``model(x)``) it would compute with this rank's shards."""
+        if self.group.state != UNSHARDED:
+            raise ValueError(
+                f"fully_shard: {type(holder).__name__} computes with parameters of the "
+                f"{type(self.module).__name__} unit, which "
+                f"are not gathered: it was called outside that unit's forward (e.g. model.inp(x) instead "
+                f"of model(x)). Call the module fully_shard was applied to, or gather its parameters "
+                f"around the call: unit.unshard() before, unit.reshard() after")
+
+    def _standalone_forward(self):
+        """A unit called without its root running (model.blocks[0](h)): nothing to do yet."""
 
     def _post_forward(self, module, args, kwargs, output):
         self.schedule.record_post_forward(self)

@@ -41,6 +41,22 @@ def queue_backward_callback(callback):
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+def register_optimizer_step_pre_hook(hook):
+    """``hook(optimizer, args, kwargs)`` before every ``step()`` of every torch optimizer (fully_shard
+    checks there that an optimizer holds the parameters the model uses)."""
+    from torch.optim import optimizer
+    return optimizer.register_optimizer_step_pre_hook(hook)
+
+
+def register_grad_arrival_hook(param, hook):
+    """``hook(param)`` when a backward delivers a gradient for the leaf ``param``, before it is
+    added to ``param.grad`` (data_parallel separates an already-reduced ``.grad`` there)."""
+    return param.register_hook(lambda grad: hook(param))
+
+
+# wrap-state checks (fully_shard, data_parallel): SPEC §19 "State changed after wrapping"
+STATE_METHODS = (staticmethod(register_optimizer_step_pre_hook), staticmethod(register_grad_arrival_hook))
+
 PLATFORM_METHODS = tuple(staticmethod(f) for f in (free_storage, alloc_storage, untracked, swap_parameter,
                                                     register_multi_grad_hook, is_autograd_leaf,
                                                     queue_backward_callback))

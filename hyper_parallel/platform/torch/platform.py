@@ -72,6 +72,11 @@ class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, Platform):
             return self._device_module().max_memory_allocated()
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
+    def is_fake(self, tensor):
+        """A FakeTensor (or a subclass wrapping one): shapes without values (hyper_parallel.plan)."""
+        from torch._subclasses.fake_tensor import is_fake
+        return is_fake(getattr(tensor, "_local_tensor", tensor))   # a DTensor: its local piece
+
     # ---------------------------------------------------------------- capabilities
     def capabilities(self):
         backend = dist.get_backend() if dist.is_initialized() else self.default_backend
@@ -353,6 +358,7 @@ class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, Platform):
     named_buffers, set_buffer, create_tensor = tensor_factories.PLATFORM_METHODS  # DTensor factories
     (free_storage, alloc_storage, untracked, swap_parameter, register_multi_grad_hook, is_autograd_leaf,
      queue_backward_callback) = fully_shard_support.PLATFORM_METHODS  # fully_shard
+    register_optimizer_step_pre_hook, register_grad_arrival_hook = fully_shard_support.STATE_METHODS
 
     @staticmethod
     def dense(tensor):

@@ -1,0 +1,184 @@
+"""What fully_shard remembers from wrap time, and the checks that keep it true (SPEC §19 "State
+changed after wrapping").
+
+At wrap time a unit records, per parameter, the object it replaced (the user's Parameter) and
+the sharded DTensor it installed, with the parameter's path. Three checks read that record:
+
+- wrap time (``check_wrappable``): a parameter an earlier fully_shard call already took is
+  either a weight tied across two units (sharded twice, each copy getting half the gradient) or
+  a sign of top-down wrapping (the root first, so the blocks' parameters are already DTensors):
+  both raise, naming the paths and the fix;
+- every root forward (``sync_units``): per parameter, a few attribute reads compare what the
+  module holds with the record. ``requires_grad`` and the dtype may change, as in one process
+  (the unit adopts them); a parameter replaced by another object, or a tie undone or made after
+  wrapping, raises. A change is then checked across the ranks (``core/agreement.py``);
+- every optimizer step (``check_optimizer``, a global step pre-hook): an optimizer holding a
+  Parameter fully_shard replaced (built before fully_shard, or before ``to_empty``) would step
+  tensors no module uses and train nothing; it raises naming the fix.
+
+The record is keyed by ``id`` with a weak reference that removes the entry when the object dies,
+so an id reused by a new object never matches.
+"""
+import weakref
+from typing import Optional
+
+from hyper_parallel.core.agreement import check_agreement
+from hyper_parallel.core.bounded_cache import lifetime_key
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.platform import get_platform
+
+_REPLACED: dict = {}   # id -> (weakref, text): objects fully_shard replaced (a module no longer uses them)
+_SHARDED: dict = {}    # id -> (weakref, text): the sharded DTensors fully_shard installed
+_HOOKED = [False]
+
+
+def _remember(table: dict, obj: object, text: str) -> None:
+    key = id(obj)
+
+    def forget(ref, key=key):
+        if table.get(key, (None,))[0] is ref:
+            del table[key]
+    try:
+        table[key] = (weakref.ref(obj, forget), text)
+    except TypeError:   # an object without weak references: not recorded (no false match either)
+        pass
+
+
+def _lookup(table: dict, obj: object) -> Optional[str]:
+    entry = table.get(id(obj))
+    if entry is None or entry[0]() is not obj:
+        return None
+    return entry[1]
+
+
+def module_paths(root: object) -> dict:
+    """id(module) -> dotted path under ``root`` ("" for the root)."""
+    return {id(m): name for name, m in get_platform().named_modules(root)}
+
+
+def describe(paths: dict, unit: object, locations: list) -> str:
+    module, attr = locations[0]
+    path = paths.get(id(module))
+    where = f"{path}.{attr}" if path else attr
+    return f"'{where}' of the {type(unit).__name__} unit"
+
+
+def check_wrappable(unit: object, owned: list) -> None:
+    """Before ``unit`` changes: none of its parameters may belong to another unit already."""
+    paths = module_paths(unit)
+    for param, locations in owned:
+        here = describe(paths, unit, locations)
+        earlier = _lookup(_SHARDED, param)
+        if earlier is not None:
+            raise ValueError(
+                f"fully_shard({type(unit).__name__}): parameter {here} is already sharded by an earlier "
+                f"fully_shard call on an enclosing module ({earlier}): fully_shard is applied bottom-up, "
+                f"each block first and then the root (fully_shard(block) for every block, then "
+                f"fully_shard(model))")
+        earlier = _lookup(_REPLACED, param)
+        if earlier is not None:
+            raise ValueError(
+                f"fully_shard({type(unit).__name__}): parameter {here} is the same Parameter as {earlier} "
+                f"(another unit, which an earlier fully_shard call took): a weight tied across two units "
+                f"would be sharded "
+                f"twice and each copy would get only its own part of the gradient. Apply fully_shard to a "
+                f"module that contains every use of the tied weight (their common ancestor, e.g. the root) "
+                f"instead of to each separately, or untie the weights before fully_shard")
+
+
+def record(param: object, sharded: object, text: str) -> None:
+    """``param`` was replaced by ``sharded`` (the parameter ``text``)."""
+    _remember(_REPLACED, param, text)
+    _remember(_SHARDED, sharded, text)
+    install_optimizer_check()
+
+
+def retire(old_sharded: object, text: str) -> None:
+    """The module adopted a new sharded object (``to_empty``): the old one trains nothing any more."""
+    _remember(_REPLACED, old_sharded, text)
+
+
+# ---------------------------------------------------------------------- optimizers
+def check_optimizer(optimizer: object, args: tuple = (), kwargs: Optional[dict] = None) -> None:
+    """Raise if ``optimizer`` holds a Parameter fully_shard replaced (it would train nothing)."""
+    if not _REPLACED:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            text = _lookup(_REPLACED, p)
+            if text is not None:
+                raise ValueError(
+                    f"{type(optimizer).__name__}.step(): this optimizer holds parameter {text} as it was "
+                    f"before fully_shard replaced it by its sharded DTensor (or before to_empty replaced "
+                    f"that): stepping it would train nothing. Create the optimizer after fully_shard (and "
+                    f"after to_empty): optimizer = {type(optimizer).__name__}(model.parameters(), ...)")
+
+
+def install_optimizer_check() -> None:
+    if not _HOOKED[0]:
+        _HOOKED[0] = True
+        get_platform().register_optimizer_step_pre_hook(check_optimizer)
+
+
+# ---------------------------------------------------------------------- every forward
+def _replaced_error(p: object, current: object) -> ValueError:
+    """A parameter whose object changed: nothing fully_shard could adopt."""
+    what = (f"a {type(current).__name__} of shape {tuple(current.shape)}" if current is not None
+            else "nothing")
+    return ValueError(
+        f"fully_shard: parameter {p.text} now holds {what}, not the sharded parameter fully_shard installed: "
+        f"a parameter assigned, re-tied or deleted after fully_shard is not sharded, gathered or reduced. "
+        f"Make such changes before fully_shard (or copy new values in place: "
+        f"with torch.no_grad(): param.copy_(value))")
+
+
+def sync_param(p: object, sharded_now: bool, may_retype: bool) -> bool:
+    """Compare what the module holds for ``p`` with the record; adopt a changed ``requires_grad``
+    or dtype (returns True), raise on anything else that changed."""
+    held = [getattr(module, attr, None) for module, attr in p.locations]
+    current = held[0]
+    expected = p.sharded if sharded_now else p.unsharded
+    if current is not expected:
+        if not (sharded_now and isinstance(current, DTensor) and current._spec == p.sharded._spec):
+            raise _replaced_error(p, current)
+        retire(p.sharded, p.text)
+        p.sharded = current
+        p.swap(current)
+        held = [current] * len(held)
+    if any(h is not current for h in held[1:]):
+        raise _replaced_error(p, next(h for h in held[1:] if h is not current))
+    changed = False
+    if bool(current.requires_grad) != p.requires_grad:
+        p.set_requires_grad(bool(current.requires_grad))
+        changed = True
+    retyped = current.dtype != p.orig_dtype or current._local_tensor.dtype != current.dtype
+    if may_retype and retyped:
+        # module.to(dtype) / .double() after wrapping: as in one process, the parameter keeps its
+        # identity (the optimizer's) and takes the dtype; its shard follows the wrapper's dtype
+        if current._local_tensor.dtype != current.dtype:
+            current._local_tensor = current._local_tensor.to(current.dtype)
+        p.orig_dtype = current.dtype
+        changed = True
+    return changed
+
+
+def agree(mesh: object, states: list, schedule: object) -> None:
+    """The units' parameters (shapes, dtypes, requires_grad) and unit order agree on every rank."""
+    settings = {"number of fully_shard units": len(states),
+                "unit classes": tuple(type(s.module).__name__ for s in states)}
+    for s in states:   # per unit: (path, shape, dtype, requires_grad) of each parameter
+        settings[f"parameters of unit {s.path!r}"] = tuple(
+            (p.text.strip("'"), tuple(p.unsharded_shape), str(p.orig_dtype).replace("torch.", ""),
+             p.requires_grad) for p in s.group.params)
+    check_agreement(mesh, "fully_shard", settings, signature=("wrap state", lifetime_key(schedule)),
+                    fix="build the same model on every rank, apply fully_shard to the same modules, and "
+                        "freeze / unfreeze / cast the same parameters on every rank")
+
+
+def agree_call(mesh: object, state: object, calls: int) -> None:
+    """A unit's all-gather is about to run: every rank is at the same unit and call."""
+    check_agreement(mesh, "fully_shard unit call",
+                    {"unit": state.path, "call of the unit in this forward": calls},
+                    signature=("unit call", lifetime_key(state.schedule)),
+                    fix="call every fully_shard unit the same number of times, in the same order, on every "
+                        "rank (a unit a rank would skip must be called with empty input instead)")
