@@ -72,6 +72,10 @@ def _shard(name, value):
     hp.Shard(value)
 
 
+def _sequence_parallel(name, value):
+    hp.SequenceParallel(**{name: value})
+
+
 LOCAL = [
     (_attention, "softcap", POSITIVE_FLOAT),
     (_attention, "window", POSITIVE_INT),
@@ -92,6 +96,7 @@ LOCAL = [
     (_init_device_mesh, "timeout", POSITIVE_FLOAT),
     (_mesh_shape, "mesh_shape", (0, -2, True, 1.5, NAN, INF)),
     (_shard, "dim", ANY_INT),
+    (_sequence_parallel, "sequence_dim", ANY_INT),
 ]
 LOCAL_CASES = [(fn, name, bad) for fn, name, bads in LOCAL for bad in bads]
 

@@ -19,6 +19,7 @@ ranks one larger, trailing ranks possibly empty) and give the single-process res
 The styles mirror PyTorch's ``torch.distributed.tensor.parallel`` styles, so plans port as-is. The
 Prepare* styles live in ``prepare.py`` and are re-exported here.
 """
+from hyper_parallel.core.arguments import check_int
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
 from hyper_parallel.core.dtensor.rank_check import describing
 from hyper_parallel.core.tensor_parallel.base import (ParallelStyle, _check_mesh, _one_layout, check_tp_mesh,
@@ -146,9 +147,8 @@ class SequenceParallel(ParallelStyle):
     Norm-weight gradients are all-reduced in backward (each rank saw part of the sequence)."""
 
     def __init__(self, *, sequence_dim=1, use_local_output=False):
-        if not isinstance(sequence_dim, int):
-            raise ValueError(f"SequenceParallel sequence_dim must be an int, got {sequence_dim!r}")
-        self.sequence_dim = sequence_dim
+        self.sequence_dim = check_int("SequenceParallel", "sequence_dim", sequence_dim,
+                                      fix="the int sequence dim of the activations (1)")
         self.use_local_output = use_local_output
 
     def apply(self, module, device_mesh):
