@@ -157,9 +157,108 @@ def cp_families_case(rank, world_size, cases):
     return [cp_case(rank, world_size, family, ep) for family, ep in cases]
 
 
-def test_families_ep2():
-    assert run_dist(2, families_case, ["qwen3_moe"]) == [[True]] * 2
+def test_families_sample():
+    """The default run: two families at ep 2 (Qwen3-MoE with its global aux loss; DeepSeek-V3: shared
+    experts, a dense first layer, grouped routing), ep 4 over (dp_shard, cp) under context parallelism."""
+    assert run_dist(2, families_case, ["qwen3_moe", "deepseek_v3"]) == [[True] * 2] * 2
+    assert run_dist(4, cp_families_case, [("qwen3_moe", ("dp_shard", "cp"))]) == [[True]] * 4
 
 
-def test_scratch_cp():
-    assert run_dist(4, cp_families_case, [("qwen3_moe", ("dp_shard", "cp")), ("qwen3_moe", "dp_shard")]) == [[True] * 2] * 4
+ALL = sorted(FAMILIES)
+
+
+@pytest.mark.ep_full
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_family(world_size):
+    assert run_dist(world_size, families_case, ALL, timeout=600) == [[True] * len(ALL)] * world_size
+
+
+@pytest.mark.ep_full
+@pytest.mark.parametrize("ep", ["dp_shard", ("dp_shard", "cp")])
+def test_every_family_under_cp(ep):
+    cases = [(family, ep) for family in ALL]
+    assert run_dist(4, cp_families_case, cases, timeout=900) == [[True] * len(ALL)] * 4
+
+
+def _step_and_save(rank, world_size, path):
+    """ep = 4: one AdamW step, then a DCP checkpoint of the model (experts as Shard(0) DTensors)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from hyper_parallel import init_device_mesh
+    from hyper_parallel.integrations.transformers import parallelize_model
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    model = parallelize_model(make("qwen3_moe"), mesh, ep="dp_shard")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    model(input_ids=ids(rank, 0), labels=ids(rank, 0)).loss.backward()
+    opt.step()
+    dcp.save({"model": model.state_dict()}, checkpoint_id=path)
+    return True
+
+
+def reference_after_step(world_size):
+    import torch
+    ref = make("qwen3_moe")
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    batch = torch.cat([ids(i, 0) for i in range(world_size)])
+    ref(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+    return ref
+
+
+def _load(rank, world_size, path):
+    """The ep-4 checkpoint into ep 2: the weights of one process after the step, and the next step's
+    loss equal too."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from hyper_parallel import init_device_mesh
+    from hyper_parallel.integrations.transformers import parallelize_model
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    model = parallelize_model(make("qwen3_moe", num_hidden_layers=2), mesh, ep="dp_shard")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().zero_()
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    ref = reference_after_step(4)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(_full(p.detach()), q.detach(), atol=1e-6, rtol=1e-6, msg=name)
+    loss = model(input_ids=ids(rank, 1), labels=ids(rank, 1)).loss
+    batch = torch.cat([ids(i, 1) for i in range(world_size)])
+    torch.testing.assert_close(_mean_over_ranks(loss, mesh.get_group(0)),
+                               ref(input_ids=batch, labels=batch).loss.detach(), atol=1e-5, rtol=1e-5)
+    return True
+
+
+def test_checkpoint_ep4_to_ep2_to_one_process(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    path = str(tmp_path / "ep4")
+    assert run_dist(4, _step_and_save, path) == [True] * 4
+    assert run_dist(2, _load, path) == [True] * 2
+    model = make("qwen3_moe")
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    model.load_state_dict(state["model"])
+    for (name, p), q in zip(model.named_parameters(), reference_after_step(4).parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-6, msg=name)
+
+
+def _hf_errors(rank, world_size):
+    """parallelize_model(ep=...) bad input: the same ValueError on every rank, before any collective."""
+    from hyper_parallel import CommDebugMode, init_device_mesh
+    from hyper_parallel.integrations.transformers import parallelize_model
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    cases = [({"ep": "ep"}, "qwen3_moe", {}, "has no 'ep' dim"),
+             ({"ep": "dp_shard"}, "qwen3_moe", {"num_experts": 3}, "3 experts are not divisible by the ep size 2"),
+             ({"ep": "dp_shard"}, "mixtral", {"num_experts_per_tok": 9}, "top-k 9 exceeds the 8 experts"),
+             ({"ep": 3}, "qwen3_moe", {}, "pass a mesh dim name")]
+    with CommDebugMode() as comm:
+        for kwargs, family, overrides, text in cases:
+            with pytest.raises(ValueError, match=text):
+                parallelize_model(make(family, **overrides), mesh, **kwargs)
+    assert comm.get_total_counts() == 0
+    return True
+
+
+def test_parallelize_model_bad_input():
+    assert run_dist(2, _hf_errors) == [True, True]

@@ -17,6 +17,11 @@ OP_NAMES = build_op_names()
 
 def _rebuild_dtensor(local, mesh_desc, placements, shape, requires_grad):
     """Unpickle a DTensor (its ``__reduce_ex__``): plain data only, hence on the safe list below."""
+    if TorchDTensorBase._hp_concrete is None:
+        # a fresh process that has not used hyper_parallel yet: its public entry point (the
+        # package's lazy export, never core directly) defines the DTensor class
+        import hyper_parallel
+        hyper_parallel.DTensor  # noqa: B018 - imported for its registration
     return TorchDTensorBase._hp_concrete._hp_rebuild(local, mesh_desc, placements, shape, requires_grad)
 
 
