@@ -10,6 +10,7 @@ hybrid, and the ring and ``attention_masks`` interceptors run their block kernel
 variant. Every argument is checked here, before anything moves; what a mode cannot compute is a
 ValueError naming the argument, never an argument dropped.
 """
+from hyper_parallel.core.agreement_attention import agree_on_variant
 from hyper_parallel.core.arguments import check_int, check_optional_float
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.ops.attention_variant_kernel import Variant, variant_attention
@@ -50,6 +51,10 @@ def attention(query, key, value, *, is_causal=False, scale=None, softcap=None, s
     each score s becomes c·tanh(s / c) before the mask. sinks: one logit per query head added to
     the softmax denominator (no value; differentiable). window w (with is_causal): query i sees
     keys i - w < j <= i. k/v may have fewer heads (GQA: each serves a group of query heads)."""
+    # ranks first (inside ContextParallel): a rank whose argument alone is invalid would otherwise raise
+    # alone and leave its peers waiting. The check counts NaN equal to NaN, so a NaN softcap given on
+    # every rank passes it and is then refused as such by _check, on every rank
+    agree_on_variant(is_causal, scale, softcap, window, sinks)
     _check(query, key, value, softcap, sinks, window, is_causal, scale)
     variant = Variant(bool(is_causal), scale, softcap or None, window)
     dtensors = [t for t in (query, key, value) if isinstance(t, DTensor)]

@@ -101,7 +101,8 @@ def check_across_ranks(cp_mesh, tensors, prints=(0, 0, 0)):
     probe = platform.tensor(signature + [-x for x in signature])
     for m in range(cp_mesh.ndim):
         probe = platform.all_reduce(probe, cp_mesh.get_group(m), "max", tag="shape_check")
-    values = [int(x) for x in probe.tolist()]
+    # a dry run (hyper_parallel.plan, fake tensors) cannot read the peers' answer: agreement assumed
+    values = signature + [-x for x in signature] if platform.is_fake(probe) else [int(x) for x in probe.tolist()]
     top, bottom = values[:len(signature)], [-x for x in values[len(signature):]]
     n = len(tensors) * _WIDTH
     if top[:n] == bottom[:n]:
@@ -200,3 +201,50 @@ def check_whole_sequence(same, shapes, seq, cp_size):
                 f"not this rank's block, and ContextParallel does not guess. Pass this rank's block (for "
                 f"self-attention the same length as q's block), or a DTensor (Replicate() for the whole "
                 f"sequence)")
+
+
+# ---------------------------------------------------------------------- ranks that agree (SPEC §19)
+_AGREE_FIX = ("build ContextParallel with the same arguments on every rank, and call it alike everywhere "
+              "(same grad mode, same attention_masks, q/k/v of one kind)")
+
+
+def style_settings(style):
+    """What every rank's ContextParallel must share: its mode and dims (``mode='auto'``'s options too)."""
+    settings = {"mode": style.mode, "ulysses_degree": style.ulysses_degree, "kv_exchange": style.kv_exchange,
+                "load_balance": bool(style.load_balance), "seq_dim": style.seq_dim,
+                "head_dim": style.head_dim, "overlap": style.overlap, "chunks": style.chunks,
+                "use_local_output": bool(style.use_local_output), "qkv_indices": style.qkv_indices,
+                "qkv_kwarg_names": style.qkv_kwarg_names}
+    if style.mode == "auto":
+        settings.update(memory_budget=style.memory_budget, causal=style.causal, tune=style.tune,
+                        calibration=None if style.calibration is None else "a file")
+    return settings
+
+
+def mask_settings(masks):
+    """``attention_masks`` entered or not, its tensors' shapes, and (compared when the check runs:
+    the documents change every batch) a digest of their contents. The same names with or without
+    masks, so the message names the masks rather than the set of settings."""
+    from hyper_parallel.core.agreement import Deferred, tensor_digest
+    ids, padding = (None, None) if masks is None else (masks.document_ids, masks.padding)
+    return {"attention_masks": None if masks is None else ("entered", ids is not None, padding is not None,
+                                                           masks.block_size),
+            "attention_masks shapes": (ids, padding),
+            "attention_masks documents": Deferred(lambda: tensor_digest(ids)),
+            "attention_masks padding": Deferred(lambda: tensor_digest(padding))}
+
+
+def agree_on_call(style, cp_mesh, qkv, masks):
+    """ValueError on every CP rank unless the ranks run this call alike: the style's settings,
+    grad mode, masks, and q/k/v's kind (plain or DTensor and where) and requires_grad. One small
+    message at the first call of each combination (core/agreement.py)."""
+    from hyper_parallel.core.agreement import check_agreement
+    from hyper_parallel.core.dtensor.dtensor import DTensor
+    platform = get_platform()
+    # the mesh by shape and names: its ranks differ legitimately (each CP rank's own TP group)
+    kinds = tuple(f"DTensor {tuple(t.placements)} on a {t.device_mesh.mesh_shape} mesh "
+                  f"{t.device_mesh.mesh_dim_names}" if isinstance(t, DTensor) else "plain" for t in qkv)
+    settings = dict(style_settings(style), **mask_settings(masks))
+    settings.update({"grad mode (is_grad_enabled)": bool(platform.is_grad_enabled()), "q/k/v kind": kinds,
+                     "q/k/v requires_grad": tuple(bool(platform.requires_grad(t)) for t in qkv)})
+    check_agreement(cp_mesh, "ContextParallel", settings, signature=lifetime_key(style), fix=_AGREE_FIX)

@@ -3,8 +3,9 @@ return the output in the caller's layout (read from the output, see output.py)."
 import math
 from dataclasses import dataclass, replace
 
-from hyper_parallel.core.context_parallel.checks import (NAMES, check_across_ranks, check_layout,
-                                                         first_call_of_signature,
+from hyper_parallel.core.agreement_attention import attention_call
+from hyper_parallel.core.context_parallel.checks import (NAMES, agree_on_call, check_across_ranks,
+                                                         check_layout, first_call_of_signature,
                                                          check_whole_sequence, normalise_dims,
                                                          suspect_whole_sequence)
 from hyper_parallel.core.context_parallel.movement import mode_dtensors
@@ -227,6 +228,7 @@ def _mode_dims(style, cp_mesh, inputs):
 
 def prepare(style, cp_mesh, qkv):
     """Every check, then (inputs on the working mesh, ulysses dims, gather dims, active masks)."""
+    agree_on_call(style, cp_mesh, qkv, active_masks())   # first: the ranks run this call alike
     inputs = _prepare(style, cp_mesh, qkv)
     ulysses_dims, gather_dims = _mode_dims(style, cp_mesh, inputs)
     inputs = _validate(style, inputs, ulysses_dims)
@@ -242,6 +244,7 @@ def run_attention(style, cp_mesh, qkv, call):
 
 def run_prepared(style, inputs, ulysses_dims, gather_dims, masks, call):
     """The call in its mode, from ``prepare``'s checked inputs: the caller's output."""
+    call = _agreeing(inputs.mesh, call)
     if masks is not None and not (style.kv_exchange == "ring" and gather_dims):
         call = with_masks(masks, call)
     if style.kv_exchange == "ring" and gather_dims:
@@ -259,6 +262,14 @@ def run_prepared(style, inputs, ulysses_dims, gather_dims, masks, call):
         return deliver(style, inputs, *_load_balanced(inputs, k, v, call))
     out = first_output(call(q, k, v))
     return deliver(style, inputs, *to_caller(out, inputs, ulysses_dims))
+
+
+def _agreeing(mesh, call):
+    """``call`` with its attention kernel told to compare its settings across ``mesh``'s ranks."""
+    def agreeing(*args, **kwargs):
+        with attention_call(mesh, "ContextParallel"):
+            return call(*args, **kwargs)
+    return agreeing
 
 
 def _promising(style, inputs, ulysses_dims, gather_dims, call):

@@ -9,7 +9,9 @@ same sharding rules as ``F.scaled_dot_product_attention``.
 import contextvars
 
 from hyper_parallel.core.arguments import check_context_parallel
+from hyper_parallel.core.agreement import check_agreement
 from hyper_parallel.core.context_parallel.auto.chooser import AutoMode
+from hyper_parallel.core.context_parallel.checks import style_settings
 from hyper_parallel.core.context_parallel.supported_kernels import call_module
 from hyper_parallel.core.context_parallel.mode import run_attention
 from hyper_parallel.core.context_parallel.overlap.split_call import start_call
@@ -21,6 +23,7 @@ _active = contextvars.ContextVar("hp_context_parallel_active", default=frozenset
 # a module's split-phase call (start_attention) lives on the module: a global table would keep it, and
 # through its closure the module and its weights, alive after the model is gone
 _STARTER = "_hp_cp_start"
+_APPLY_FIX = "construct ContextParallel with the same arguments on every rank of the mesh"
 
 
 def start_attention(module, *args, **kwargs):
@@ -79,6 +82,9 @@ class ContextParallel(ParallelStyle):
 
     # ------------------------------------------------------------------ apply
     def apply(self, module, device_mesh):
+        # before _cp_mesh creates the hybrid's groups: a rank with another ulysses_degree would
+        # otherwise create groups its peers never create, and wait there
+        check_agreement(device_mesh, "ContextParallel", style_settings(self), fix=_APPLY_FIX)
         mesh = self._cp_mesh(device_mesh)
         get_platform().replace_forward(module, lambda original: self._make_forward(module, original, mesh))
         return module

@@ -11,11 +11,14 @@ waiting in another collective. ``style.last_choice`` says what was chosen
 and every candidate's predicted time; the first choice of each signature is also logged.
 """
 import logging
+import os
 import re
+import zlib
 from dataclasses import dataclass, field
 
-from hyper_parallel.core.bounded_cache import BoundedCache
-from hyper_parallel.core.context_parallel.auto.calibration import machine_for
+from hyper_parallel.core.agreement import Deferred, check_agreement
+from hyper_parallel.core.bounded_cache import BoundedCache, lifetime_key
+from hyper_parallel.core.context_parallel.auto.calibration import ENV as CALIBRATION_ENV, machine_for
 from hyper_parallel.core.context_parallel.auto.cost_model import CallShape, candidates, predict
 from hyper_parallel.core.context_parallel.auto.tuning import shortlist, timed_seconds
 from hyper_parallel.core.context_parallel.checks import check_across_ranks, normalise_dims
@@ -51,6 +54,14 @@ def _itemsize(dtype):
     return int(digits[-1]) // 8 if digits else 4
 
 
+def _file_digest(path):
+    """The calibration file's contents as a number (None: measured); read only when the ranks compare."""
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return zlib.crc32(f.read())
+
+
 def call_shape(style, qkv, cp, causal):
     raw = [t.to_local() if isinstance(t, DTensor) else t for t in qkv]
     seq, head = normalise_dims(style, [t.ndim for t in raw])
@@ -80,11 +91,24 @@ class AutoMode:
                tuple((tuple(t.shape), str(t.dtype)) for t in raw))
         found = self._chosen.get(key)
         if found is None:
+            self._agree(mesh, key)
             check_across_ranks(mesh, raw)   # the ranks agree on what they choose from
             found = self._chosen[key] = self._choose(mesh, qkv, key)
             LOG.info("ContextParallel(mode='auto') on %d ranks: %s", mesh.size(), found[0])
         self.style.last_choice = found[0]
         return found[1], found[2]
+
+    def _agree(self, mesh, key):
+        """Every input of the choice but the shapes (checked next) is the same on every rank: else
+        the ranks would choose different modes (or one would time candidates alone) and wait in
+        different collectives."""
+        style, path = self.style, self.style.calibration or os.environ.get(CALIBRATION_ENV)
+        settings = {"causal hint": style.causal, "memory_budget": style.memory_budget, "tune": style.tune,
+                    "grad mode (is_grad_enabled)": bool(get_platform().is_grad_enabled()),
+                    "attention_masks entered": key[1], "calibration": "file" if path else "measured",
+                    "calibration file contents": Deferred(lambda: _file_digest(path))}
+        check_agreement(mesh, "ContextParallel(mode='auto')", settings, signature=lifetime_key(style),
+                        fix="give mode='auto' the same options, calibration file and grad mode on every rank")
 
     def _choose(self, mesh, qkv, key):
         style = self.style

@@ -8,6 +8,7 @@ rank holds is read from the DTensor layouts at that point (q: a sequence block, 
 or everything; k/v: the whole sequence), so one interceptor serves every mode. The batch rows come
 from the layouts too (a batch split elsewhere in the mesh slices the masks alike).
 """
+from hyper_parallel.core.agreement_attention import agree_on_attention
 from hyper_parallel.core.context_parallel.masks.block_masks import Span
 from hyper_parallel.core.context_parallel.masks.masked_attention import masked_attention
 from hyper_parallel.core.dtensor.dispatch.interceptors import Interceptor, intercepting
@@ -57,6 +58,7 @@ class MaskInterceptor(Interceptor):
         q, k, v = (call.arg(i, ARG_NAMES[i]) for i in range(3))
         if not all(self.follows(t) for t in (q, k, v)):
             return None
+        agree_on_attention(call)   # every rank's settings alike before one rank refuses them
         if call.name == "sdpa":
             check_call(call, "F.scaled_dot_product_attention")
         variant, sinks = call_variant(call)

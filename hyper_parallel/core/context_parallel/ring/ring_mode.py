@@ -6,6 +6,7 @@ The user's module is called with q, k, v as DTensors, as in every mode; a dispat
 and, at ``F.scaled_dot_product_attention`` or ``hyper_parallel.attention`` (soft-capping, sinks, a
 window: the ring's block kernels take them), runs the ring kernel on their local blocks instead of
 the attention rule. Attention code that consumes them otherwise is refused: it cannot be ringed."""
+from hyper_parallel.core.agreement_attention import agree_on_attention
 from hyper_parallel.core.context_parallel.movement import to_mode
 from hyper_parallel.core.context_parallel.load_balance import merge_head_tail, zigzag_block, zigzag_halves
 from hyper_parallel.core.context_parallel.output import first_output, to_caller
@@ -36,6 +37,7 @@ class RingInterceptor(Interceptor):
         q, k, v = (call.arg(i, ARG_NAMES[i]) for i in range(3))
         if not all(self.follows(t) for t in (q, k, v)):
             return None
+        agree_on_attention(call)   # every rank's settings alike before one rank refuses them
         if call.name == "sdpa" and (call.arg(3, "attn_mask") is not None
                                     or (call.arg(4, "dropout_p", 0.0) or 0.0) > 0):
             raise ValueError("ring attention supports is_causal=True/False without attn_mask or dropout; "

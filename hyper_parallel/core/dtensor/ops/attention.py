@@ -12,6 +12,7 @@ excluded key stays out of that row exactly as in single-device causal attention 
 -inf mask would turn NaN + -inf into NaN). An explicit global mask is sliced to the local rows by
 the same redistribution that splits q.
 """
+from hyper_parallel.core.agreement_attention import agree_on_attention
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.dtensor.layout import numel
 from hyper_parallel.core.dtensor.ops.attention_roles import check_query
@@ -55,6 +56,7 @@ def sdpa_rule(call):
     if qs is None or ks is None or vs is None or qs.ndim < 3:
         return None
     check_query(qs)   # inside a ContextParallel call: q split as that call promised (attention_roles.py)
+    agree_on_attention(call)   # ... and its ranks call the kernel alike (core/agreement_attention.py)
     if (call.arg(4, "dropout_p", 0.0) or 0.0) > 0:
         return _replicated_strategy(call)
     mask = call.arg(3, "attn_mask")

@@ -1,0 +1,69 @@
+"""Attention settings compared across the ranks of the ContextParallel call around it.
+
+ContextParallel checks its style, masks and q/k/v before it moves anything (context_parallel/checks.py).
+What the module then passes to its attention kernel -- ``is_causal``, ``scale``, ``dropout_p``, an
+explicit ``attn_mask``, ``enable_gqa``; ``hyper_parallel.attention``'s ``softcap``, ``window`` and
+``sinks`` -- is only known where the kernel runs, so the sdpa rule and the ring / masks
+interceptors call ``agree_on_attention(call)`` there (``hyper_parallel.attention`` calls
+``agree_on_variant`` first thing, before it validates its arguments), before the kernel's own
+collectives (the ring's K/V exchange) and before the output moves back. Every collective before
+that point depends only on q/k/v's shapes, which the ranks have already agreed on, so the ranks
+reach this check in step.
+
+Outside a ContextParallel call it does nothing (``attention_call`` marks the call). The schedule
+is core/agreement.py's: the first call of each combination of settings, every call under
+``HP_CHECK_RANKS=every`` -- as far as the kernel is reached: a decision the dispatcher cached for
+the sdpa rule is reused without the rule, so an sdpa call repeated with the same settings is not
+re-checked even in that mode (its settings were compared when the decision was made).
+"""
+import contextlib
+import contextvars
+from typing import Iterator
+
+_CALL = contextvars.ContextVar("hp_agreement_attention_call", default=None)
+_FIX = ("call the attention with the same arguments on every rank (is_causal, scale, dropout_p, attn_mask, "
+        "softcap, window, sinks)")
+
+
+@contextlib.contextmanager
+def attention_call(mesh: object, label: str) -> Iterator[None]:
+    """Mark a ContextParallel call on ``mesh`` (its working mesh) for the attention kernel inside."""
+    token = _CALL.set((mesh, label))
+    try:
+        yield
+    finally:
+        _CALL.reset(token)
+
+
+def _sdpa_settings(call: object) -> dict:
+    from hyper_parallel.core.agreement import Deferred, tensor_digest
+    mask = call.arg(3, "attn_mask")
+    return {"is_causal": bool(call.arg(5, "is_causal", False)), "scale": call.arg(6, "scale"),
+            "dropout_p": call.arg(4, "dropout_p", 0.0) or 0.0, "attn_mask": mask,
+            "enable_gqa": bool(call.kwargs.get("enable_gqa", False)),
+            "attn_mask contents": Deferred(lambda: tensor_digest(mask))}
+
+
+def _check(settings: dict) -> None:
+    active = _CALL.get()
+    if active is not None:
+        # deferred: the dtensor package imports this module while it loads (ops/attention.py)
+        from hyper_parallel.core.agreement import check_agreement
+        mesh, label = active
+        check_agreement(mesh, f"{label}: the attention call", settings, signature="attention", fix=_FIX)
+
+
+def agree_on_attention(call: object) -> None:
+    """At an ``sdpa`` op inside a ContextParallel call: ValueError on every rank of its mesh unless
+    every rank calls it with the same settings (a no-op elsewhere; ``hyper_parallel.attention``
+    checks its own arguments with ``agree_on_variant`` before validating them)."""
+    if call.name == "sdpa" and _CALL.get() is not None:
+        _check(_sdpa_settings(call))
+
+
+def agree_on_variant(is_causal: object, scale: object, softcap: object, window: object,
+                     sinks: object) -> None:
+    """``hyper_parallel.attention``'s arguments inside a ContextParallel call, compared before any rank
+    validates them (a rank whose arguments alone are invalid would raise alone, leaving its peers
+    waiting); ``sinks`` by presence and shape."""
+    _check({"is_causal": is_causal, "scale": scale, "softcap": softcap, "window": window, "sinks": sinks})
