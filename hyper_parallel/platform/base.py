@@ -181,6 +181,11 @@ class Platform(TrainingLoopContract, SplitCollectivesContract, LinearAlgebraCont
     def peak_memory_bytes(self):
         """Peak device memory; on CPU the process's peak resident set."""
 
+    def is_fake(self, tensor):
+        """Whether ``tensor`` has shapes but no values (torch's FakeTensorMode, used by the dry run of
+        hyper_parallel.plan): a host read of it cannot happen. Frameworks without fake tensors: False."""
+        return False
+
     @abc.abstractmethod
     def manual_seed(self, seed):
         """Seed the framework's random generator."""

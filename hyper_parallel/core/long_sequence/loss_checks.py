@@ -61,7 +61,7 @@ def vocab_shard(weight):
 def check_labels(labels, vocab, ignore_index):
     """Labels outside [0, vocab) other than ``ignore_index`` would silently add a wrong loss."""
     bad = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
-    if bool(bad.any()):
+    if not get_platform().is_fake(bad) and bool(bad.any()):   # a dry run has no label values
         first = labels[bad][0]
         raise ValueError(f"chunked_cross_entropy: label {int(first)} is outside [0, {vocab}) and not "
                          f"ignore_index={ignore_index}; fix the labels or pass ignore_index={int(first)}")

@@ -72,6 +72,11 @@ class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, Platform):
             return self._device_module().max_memory_allocated()
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
+    def is_fake(self, tensor):
+        """A FakeTensor (or a subclass wrapping one): shapes without values (hyper_parallel.plan)."""
+        from torch._subclasses.fake_tensor import is_fake
+        return is_fake(getattr(tensor, "_local_tensor", tensor))   # a DTensor: its local piece
+
     # ---------------------------------------------------------------- capabilities
     def capabilities(self):
         backend = dist.get_backend() if dist.is_initialized() else self.default_backend
