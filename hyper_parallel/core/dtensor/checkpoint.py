@@ -14,8 +14,10 @@ from hyper_parallel.core.dtensor.dtensor import DTensor, attach
 from hyper_parallel.core.dtensor.mesh_registry import find_mesh, remember_mesh
 from hyper_parallel.core.dtensor.placement_types import HeadTailShard, Partial, Replicate, Shard, StridedShard
 from hyper_parallel.core.dtensor.spec import DTensorSpec
+from hyper_parallel.platform import get_platform
 
 __all__ = ["describe", "rebuild", "remember_mesh", "checkpoint_box"]
+
 
 def _encode_placement(p):
     if isinstance(p, StridedShard):
@@ -47,6 +49,11 @@ def describe(dtensor):
 
 def rebuild(local, mesh_desc, placements, shape, requires_grad):
     """The DTensor ``describe`` described, on this process's copy of its mesh."""
+    if not get_platform().is_initialized():
+        raise ValueError(f"loading a DTensor saved on the mesh {list(mesh_desc[2])} (dims {mesh_desc[3]}): "
+                         f"this process has no process group yet; start it as one of the ranks that saved "
+                         f"it and call init_device_mesh(...) (or torch.distributed.init_process_group) "
+                         f"before torch.load (or load a torch.distributed.checkpoint into one process)")
     mesh = find_mesh(mesh_desc)
     spec = DTensorSpec(mesh, tuple(_DECODE[p[0]](*p[1:]) for p in placements), tuple(shape))
     if mesh.get_coordinate() is not None and tuple(local.shape) != spec.local_shape:
