@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.platform.handles import AsyncHandle, CompletedHandle
+from hyper_parallel.platform.torch import compile_collectives as traced
 from hyper_parallel.platform.torch.dtype_widening import widening
 
 # torch renamed all_gather_into_tensor to all_gather_single; accept both (torch>=2.4).
@@ -114,6 +115,8 @@ class Collectives:
         n = dist.get_world_size(group)
         if n == 1:
             return self._trivial(tensor.clone(memory_format=torch.contiguous_format), async_op)
+        if traced.tracing(tensor):
+            return traced.all_gather(self, tensor, group, dim, async_op)
         moved = tensor.movedim(dim, 0).contiguous()
         out = torch.empty((n * moved.shape[0],) + tuple(moved.shape[1:]), dtype=tensor.dtype,
                           device=tensor.device)
@@ -160,6 +163,8 @@ class Collectives:
             self._blocks(tensor, split_dim, n, group, "all_to_all_single")  # same checks
             return self._trivial(tensor.clone(memory_format=torch.contiguous_format), async_op)
         blocks, perm = self._blocks(tensor, split_dim, n, group, "all_to_all_single")
+        if traced.tracing(tensor):
+            return traced.all_to_all_single(self, blocks, perm, group, concat_dim, async_op)
         out = torch.empty_like(blocks)
         self._record("all_to_all", _nbytes(blocks) * (n - 1) // n, group)
         works = self._launch("all_to_all_single", group,
@@ -184,6 +189,8 @@ class Collectives:
             tensors = [tensors[i] for i in perm[1]]
             out_shapes = [out_shapes[i] for i in perm[1]]
         dtype, device = tensors[0].dtype, tensors[0].device
+        if traced.tracing(tensors[0]):
+            traced.unsupported("all_to_all (list form)")
         send = torch.cat([t.reshape(-1) for t in tensors]) if n > 1 else tensors[0].reshape(-1).clone()
         in_splits = [t.numel() for t in tensors]
         out_splits = [int(torch.Size(s).numel()) for s in out_shapes]
@@ -209,6 +216,8 @@ class Collectives:
             self._blocks(tensor, dim, n, group, "reduce_scatter")  # same checks
             return self._trivial(tensor.clone(memory_format=torch.contiguous_format), async_op)
         blocks, perm = self._blocks(tensor, dim, n, group, "reduce_scatter")
+        if traced.tracing(tensor):
+            return traced.reduce_scatter(self, blocks, perm, group, op, _reduce_stack, async_op)
         self._record("reduce_scatter", _nbytes(blocks) * (n - 1) // n, group)
         if self._backend_is(group, "gloo"):
             # gloo's reduce-scatter is weak (op and dtype gaps): one all-to-all moves exactly the
@@ -234,6 +243,8 @@ class Collectives:
         out = tensor.contiguous().clone()
         if n == 1:
             return self._trivial(out, async_op)
+        if traced.tracing(tensor):
+            return traced.all_reduce(self, out, group, op, async_op, tag)
         if op in ("max", "min") and out.is_floating_point():
             return self._nan_propagating_extreme(out, group, op, async_op, tag)
         return self._all_reduce(out, group, op, n, async_op, tag)
@@ -269,6 +280,8 @@ class Collectives:
         out = tensor.contiguous().clone()
         if n == 1:
             return self._trivial(out, async_op)
+        if traced.tracing(tensor):
+            return traced.broadcast(self, out, src, group, async_op)
         if dist.get_rank() == src:
             self._record("broadcast", _nbytes(out), group)
         works = self._launch("broadcast", group,
@@ -278,6 +291,8 @@ class Collectives:
     # --------------------------------------------------------------------------- point-to-point
     def p2p_exchange(self, sends, recvs, group=None, async_op=False):
         me = dist.get_rank()
+        if any(traced.tracing(t) for t, _ in sends):
+            traced.unsupported("p2p_exchange")
         # a message to oneself (a ring of one rank) is a copy: gloo has no pair to itself
         to_self = [tensor for tensor, peer in sends if peer == me]
         ops, outputs = [], []

@@ -10,6 +10,7 @@ import functools
 
 import torch
 
+from hyper_parallel.platform.torch.compile_boundary import dynamo_compiling, eager_boundary
 from hyper_parallel.platform.torch.op_names import build_op_names
 
 OP_NAMES = build_op_names()
@@ -60,6 +61,17 @@ _ENABLED, _SUBCLASSES_OFF = (torch._C._TorchFunctionState.ENABLED,
                              torch._C._TorchFunctionState.SUBCLASSES_DISABLED)
 
 
+@eager_boundary
+def _eager_torch_function(cls, func, args, kwargs):
+    """A DTensor call reached while dynamo traces: run eagerly (compile_boundary.py)."""
+    return cls.__torch_function__(func, (cls,), args, kwargs)
+
+
+@eager_boundary
+def _eager_operator(dunder, self, other, rest, kwargs):
+    return getattr(self, dunder.__name__)(other, *rest, **kwargs)
+
+
 def _operator(dunder, func):
     """``x + y`` (``dunder``) on a DTensor: torch would parse the arguments and enter
     ``__torch_function__`` with ``func`` (``Tensor.add``), which costs as much as the rest of a
@@ -70,6 +82,8 @@ def _operator(dunder, func):
     name = OP_NAMES[func]
 
     def method(self, other, *rest, **kwargs):
+        if dynamo_compiling():
+            return _eager_operator(dunder, self, other, rest, kwargs)
         if _TORCH_FUNCTION_ON() and not rest and not kwargs and not _TORCH_FUNCTION_MODE():
             # DisableTorchFunctionSubclass as a state switch: the state was ENABLED (checked above)
             _SET_TORCH_FUNCTION(_SUBCLASSES_OFF)
@@ -174,6 +188,8 @@ class TorchDTensorBase(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if dynamo_compiling():
+            return _eager_torch_function(cls, func, args, kwargs)
         name = OP_NAMES.get(func)
         if name is not None:
             # core reads DTensor attributes (dtype, requires_grad...) while it dispatches: with the

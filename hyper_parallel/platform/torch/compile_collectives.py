@@ -1,0 +1,110 @@
+"""The raw collectives as functional collectives while torch.compile traces (docs/compile.md).
+
+Under tracing a collective must be a graph node: ``torch.ops._c10d_functional.*`` take a tensor
+and a group name and return a new tensor, which ``wait_tensor`` completes. ``collectives.py``
+routes here when ``tracing(tensor)`` holds, so core's redistributions and its autograd
+functions (forward and backward) are traced into the compiled graph and inductor schedules them.
+Semantics match the eager paths: blocks in a group's creation order, the same dims, the same
+reduce ops (avg as sum / n, as gloo's eager path does), and the same byte accounting.
+"""
+import torch
+import torch.distributed as dist
+
+from hyper_parallel.platform.handles import CompletedHandle
+
+_C10D = torch.ops._c10d_functional
+_OPS = {"sum": "sum", "avg": "sum", "max": "max", "min": "min"}
+
+
+def tracing(tensor) -> bool:
+    """Whether ``tensor`` is being traced by torch.compile (dynamo's fake example values, or
+    AOTAutograd's functional / fake tensors): then no eager collective can run on it."""
+    if not torch.compiler.is_compiling():
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+    from torch._subclasses.functional_tensor import FunctionalTensor
+    return isinstance(tensor, FunctionalTensor) or is_fake(tensor)
+
+
+def _wait(tensor):
+    return _C10D.wait_tensor(tensor)
+
+
+def _finish(result, async_op):
+    return CompletedHandle(result) if async_op else result
+
+
+def _name(group) -> str:
+    return (group or dist.group.WORLD).group_name
+
+
+def all_gather(comm, tensor, group, dim, async_op):
+    """``tensor``'s pieces of all ranks concatenated along ``dim`` (creation order)."""
+    n = dist.get_world_size(group)
+    moved = tensor.movedim(dim, 0).contiguous()
+    comm._record("all_gather", (n - 1) * moved.numel() * moved.element_size(), group)
+    out = _wait(_C10D.all_gather_into_tensor(moved, n, _name(group)))
+    perm = comm._order(group)
+    if perm is not None:
+        out = out.unflatten(0, (n, moved.shape[0]))[perm[0]].flatten(0, 1)
+    return _finish(out.movedim(0, dim).contiguous(), async_op)
+
+
+def _exchange(comm, blocks, group):
+    """One all-to-all of equal leading-dim blocks (already in torch's rank order)."""
+    n = blocks.shape[0]
+    flat = blocks.reshape(n, -1).contiguous()
+    size = flat.shape[1]
+    out = _wait(_C10D.all_to_all_single(flat.reshape(-1), [size] * n, [size] * n, _name(group)))
+    return out.reshape(blocks.shape)
+
+
+def all_to_all_single(comm, blocks, perm, group, concat_dim, async_op):
+    """The exchange of ``Collectives.all_to_all_single`` after its checks and block split."""
+    comm._record("all_to_all", blocks.numel() * blocks.element_size() * (blocks.shape[0] - 1)
+                 // blocks.shape[0], group)
+    out = _exchange(comm, blocks, group)
+    received = out if perm is None else out[perm[0]]
+    return _finish(received.movedim(0, concat_dim).flatten(concat_dim, concat_dim + 1).contiguous(),
+                   async_op)
+
+
+def reduce_scatter(comm, blocks, perm, group, op, reduce_stack, async_op):
+    """All-to-all of the blocks, then the reduction in rank order (the eager gloo path's bytes)."""
+    n = blocks.shape[0]
+    comm._record("reduce_scatter", blocks.numel() * blocks.element_size() * (n - 1) // n, group)
+    received = _exchange(comm, blocks, group)
+    return _finish(reduce_stack(received if perm is None else received[perm[0]], op, n), async_op)
+
+
+def all_reduce(comm, tensor, group, op, async_op, tag):
+    n = dist.get_world_size(group)
+    out = tensor.contiguous()
+    comm._record(tag or "all_reduce", 2 * out.numel() * out.element_size() * (n - 1) // n, group)
+    if op in ("max", "min") and out.is_floating_point():
+        # NaN-propagating, as the eager path: a NaN flag rides in the same reduction
+        flag = torch.isnan(out).to(out.dtype)
+        packed = _wait(_C10D.all_reduce(torch.stack([out, flag if op == "max" else -flag]), op,
+                                        _name(group)))
+        return _finish(torch.where(packed[1] != 0, torch.full_like(packed[0], float("nan")), packed[0]),
+                       async_op)
+    result = _wait(_C10D.all_reduce(out, _OPS[op], _name(group)))
+    return _finish(result / n if op == "avg" else result, async_op)
+
+
+def broadcast(comm, tensor, src, group, async_op):
+    """The source rank's value on every rank: an all-reduce of it and zeros elsewhere (there is
+    no functional broadcast)."""
+    out = tensor.contiguous()
+    if dist.get_rank() == src:
+        comm._record("broadcast", out.numel() * out.element_size(), group)
+    mine = out if dist.get_rank() == src else torch.zeros_like(out)
+    return _finish(_wait(_C10D.all_reduce(mine, "sum", _name(group))), async_op)
+
+
+def unsupported(op: str):
+    """Collectives with no functional form here (point-to-point: ring attention)."""
+    raise NotImplementedError(
+        f"{op} cannot be traced by torch.compile here (no functional point-to-point collective); run "
+        f"this part eagerly: ring attention (kv_exchange='ring') is a documented compile boundary "
+        f"(docs/compile.md)")

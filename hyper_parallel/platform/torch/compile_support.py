@@ -1,0 +1,163 @@
+"""torch.compile of parallelized modules (docs/compile.md).
+
+Dynamo cannot trace core's DTensor dispatch (per-signature caches, custom autograd nodes, wrapper
+construction), but AOTAutograd can *run* it: it executes Python on fake / functional tensors and
+records only the tensor ops. So a parallelized module is compiled as one opaque call in dynamo's
+graph (``torch._dynamo.allow_in_graph``) whose inputs are plain local tensors:
+
+- outside the compiled region (eager, differentiable), every DTensor parameter and input becomes
+  its local shard (``to_local``);
+- inside, AOTAutograd traces the module's own forward with those shards wrapped back into
+  DTensors of the same layout, so core's sharding rules, redistributions and autograd functions
+  run as in eager mode, forward and backward, and every collective they issue is a functional
+  collective (``compile_collectives.py``): one graph per module, no graph break inside;
+- DTensor outputs leave as local shards and are wrapped again outside.
+
+Gradients therefore are those of eager mode: each parameter's ``.grad`` is a DTensor of its own
+layout. ``torch.compile(module)`` written directly still works, with a graph break at each
+DTensor call (``dtensor_base.py`` runs those eagerly); ``compile_module`` is the no-break path.
+"""
+import functools
+import types
+from typing import Any, Callable, Dict, Optional
+
+import torch
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from hyper_parallel.platform.torch.dtensor_base import TorchDTensorBase
+
+
+def _describe(leaf):
+    """A DTensor leaf's layout (how to wrap its shard again), or None for a plain tensor."""
+    if isinstance(leaf, TorchDTensorBase):
+        return (type(leaf), leaf.device_mesh, tuple(leaf.placements), tuple(leaf.shape),
+                tuple(leaf.stride()), leaf.requires_grad)
+    return None
+
+
+def _wrap(local, desc):
+    cls, mesh, placements, shape, stride, _ = desc
+    return cls.from_local(local, mesh, list(placements), shape=shape, stride=stride)
+
+
+class _Signature:
+    """One call signature: which flat leaves are tensors (and their layouts), the constants, and
+    (filled while tracing) the outputs' structure."""
+
+    def __init__(self, spec, leaves):
+        self.spec = spec
+        self.constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        self.slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self.layouts = [_describe(leaves[i]) for i in self.slots]
+        self.out_spec = None
+        self.out_layouts = None
+        self.out_constants = None
+
+    def key(self, leaves):
+        """Layouts, constants and every tensor's shape / dtype / requires_grad: outputs' global
+        shapes are read while tracing, so each key gets its own graph (no shape-polymorphic reuse)."""
+        tensors = tuple((tuple(leaves[i].shape), leaves[i].dtype, leaves[i].requires_grad) for i in self.slots)
+        # an unhashable constant is keyed by identity; the signature holds it, so the id stays its own
+        return (self.spec, tuple(_hashable(c) for c in self.constants), tuple(self.layouts), tensors)
+
+
+def _hashable(value):
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return ("unhashable", id(value))
+
+
+class CompiledParallelModule:
+    """``module``'s forward, compiled as described in the module docstring; one compiled graph per
+    call signature (tensor layouts, non-tensor arguments). Use through ``compile_module``."""
+
+    def __init__(self, module: torch.nn.Module, forward: Callable, compile_kwargs: Dict[str, Any]):
+        self.module = module
+        self.forward = forward
+        self.compile_kwargs = compile_kwargs
+        self.compiled: Dict[Any, Callable] = {}
+
+    def _state(self):
+        return dict(self.module.named_parameters(remove_duplicate=False)), \
+            dict(self.module.named_buffers(remove_duplicate=False))
+
+    def _prepare(self, args, kwargs):
+        """This call's signature (a cached one if seen before), its region and compiled function,
+        and its tensors as local shards (``to_local``: differentiable, eager)."""
+        params, buffers = self._state()
+        leaves, spec = tree_flatten((params, buffers, args, kwargs))
+        signature = _Signature(spec, leaves)
+        key = signature.key(leaves)
+        entry = self.compiled.get(key)
+        if entry is None:
+            region = self._build(signature)
+            entry = self.compiled[key] = (signature, region, torch.compile(region, **self.compile_kwargs))
+        signature = entry[0]
+        flat_in = [leaves[i] for i in signature.slots]
+        flat_in = [x.to_local() if layout is not None else x for x, layout in zip(flat_in, signature.layouts)]
+        return entry, flat_in
+
+    def __call__(self, *args, **kwargs):
+        (signature, _, fn), flat_in = self._prepare(args, kwargs)
+        flat_out = fn(*flat_in)
+        outs = list(signature.out_constants)
+        slots = [i for i, c in enumerate(outs) if c is _TENSOR]
+        for slot, value, layout in zip(slots, flat_out, signature.out_layouts):
+            outs[slot] = value if layout is None else _wrap(value, layout)
+        return tree_unflatten(outs, signature.out_spec)
+
+    def explain(self, *args, **kwargs):
+        """``torch._dynamo.explain`` of the region this call compiles to (graphs, graph breaks)."""
+        (_, region, _), flat_in = self._prepare(args, kwargs)
+        return torch._dynamo.explain(region)(*flat_in)
+
+    def _build(self, signature: _Signature):
+        module, forward = self.module, self.forward
+
+        def traced(*tensors):
+            leaves = list(signature.constants)
+            for slot, value, layout in zip(signature.slots, tensors, signature.layouts):
+                leaves[slot] = value if layout is None else _wrap(value, layout)
+            params, buffers, args, kwargs = tree_unflatten(leaves, signature.spec)
+            with _reparametrize_module(module, {**params, **buffers}):
+                out = forward(*args, **kwargs)
+            out_leaves, out_spec = tree_flatten(out)
+            signature.out_spec = out_spec
+            signature.out_constants = [_TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves]
+            tensors_out = [x for x in out_leaves if isinstance(x, torch.Tensor)]
+            signature.out_layouts = [_describe(x) for x in tensors_out]
+            return tuple(x.to_local() if isinstance(x, TorchDTensorBase) else x for x in tensors_out)
+
+        opaque = torch._dynamo.allow_in_graph(traced)
+
+        def region(*tensors):
+            return opaque(*tensors)
+        # dynamo caches compiled code per code object (8 entries): each region gets its own, so
+        # every decoder layer and signature keeps its graph
+        _REGIONS[0] += 1
+        code = region.__code__.replace(co_name=f"hp_compiled_region_{_REGIONS[0]}")
+        return types.FunctionType(code, region.__globals__, code.co_name, None, region.__closure__)
+
+
+_TENSOR = object()   # an output slot holding a tensor
+_REGIONS = [0]       # regions built so far (their code objects' names)
+
+
+def compile_module(module: torch.nn.Module, **compile_kwargs: Any) -> torch.nn.Module:
+    """Compile ``module`` (parallelized or not) in place: its forward runs as one compiled graph
+    with the DTensor dispatch, collectives included, traced inside (module docstring).
+    ``compile_kwargs`` go to ``torch.compile`` (backend, mode, dynamic...). Returns ``module``."""
+    if getattr(module, "_hp_compiled", None) is not None:
+        return module
+    compiled = CompiledParallelModule(module, module.forward, dict(compile_kwargs))
+    module._hp_compiled = compiled
+    module.forward = functools.wraps(module.forward)(compiled)
+    return module
+
+
+def compiled_of(module: torch.nn.Module) -> Optional[CompiledParallelModule]:
+    """The compiled call installed by ``compile_module`` (tests read its graphs), or None."""
+    return getattr(module, "_hp_compiled", None)

@@ -1,0 +1,170 @@
+"""torch.compile of parallelized modules (SPEC §18, docs/compile.md).
+
+Every case compiles with ``compile_module`` and compares forward and every gradient with the same
+parallelized module run eagerly (fp32, 1e-5), for two or three steps. Graph structure is asserted,
+never time: ``torch._dynamo.explain`` of the compiled region (one graph, no break), and the
+AOTAutograd forward / backward graphs (functional collectives, no eager c10d op). Compiling on 2
+cores is slow: the default run uses the ``aot_eager`` backend (AOTAutograd traces exactly what
+inductor would compile) except for one inductor case; ``-m compile_full`` adds inductor everywhere.
+"""
+import pytest
+
+from tests.harness import run_dist
+from tests.test_tensor_parallel import _block, _sp_plan, _tp_plan
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+DIM, SEQ, BATCH = 32, 8, 2
+
+
+# ============================================================================ helpers
+class _Recorder:
+    """A torch.compile backend: AOTAutograd (as inductor runs it) whose forward and backward
+    graphs are kept as code text; ``inner`` compiles them (None: run the graphs as they are)."""
+
+    def __init__(self, inductor=False):
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+        self.graphs = []
+
+        def record(gm, example_inputs):
+            self.graphs.append(gm.code)
+            return make_boxed_func(gm.forward)
+
+        def record_inductor(gm, example_inputs, **kwargs):
+            self.graphs.append(gm.code)
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+        if inductor:
+            self.backend = lambda gm, example_inputs: compile_fx(gm, example_inputs,
+                                                                  inner_compile=record_inductor)
+        else:
+            self.backend = aot_autograd(fw_compiler=record, bw_compiler=record)
+
+    def collectives(self):
+        return [[op for op in ("all_reduce", "all_gather_into_tensor", "all_to_all_single")
+                 if f"_c10d_functional.{op}" in code] for code in self.graphs]
+
+    def eager_c10d(self):
+        return [code for code in self.graphs if "torch.ops.c10d." in code]
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _close(actual, expected, what):
+    import torch
+    torch.testing.assert_close(_full(actual), _full(expected), **TOL, msg=lambda m: f"{what}: {m}")
+
+
+def _compare_steps(compiled, eager, make_inputs, steps, what):
+    """``steps`` forward/backward/AdamW steps of both modules on the same inputs: outputs, input
+    gradients and every parameter gradient (same type: DTensor gradients stay DTensors)."""
+    import torch
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (compiled, eager)]
+    for step in range(steps):
+        grads = []
+        for module, opt in zip((compiled, eager), opts):
+            opt.zero_grad()
+            inputs, weight = make_inputs(step)
+            out = module(*inputs)
+            (out * weight).sum().backward()
+            grads.append((out, [x.grad for x in inputs]))
+        (out_c, in_c), (out_e, in_e) = grads
+        _close(out_c, out_e, f"{what} output, step {step}")
+        for i, (a, b) in enumerate(zip(in_c, in_e)):
+            _close(a, b, f"{what} grad of input {i}, step {step}")
+        for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
+            assert type(p.grad) is type(q.grad), f"{what} {name}: {type(p.grad)} vs {type(q.grad)}"
+            _close(p.grad, q.grad, f"{what} grad of {name}, step {step}")
+        for opt in opts:
+            opt.step()
+
+
+def _inputs(step, parts=1, index=0):
+    """The block's input and the loss weight of ``step`` (the same on every rank; ``parts`` > 1:
+    this rank's sequence block)."""
+    import torch
+    gen = torch.Generator().manual_seed(step)
+    x, w = torch.randn(BATCH, SEQ, DIM, generator=gen), torch.randn(BATCH, SEQ, DIM, generator=gen)
+    x, w = x.chunk(parts, 1)[index], w.chunk(parts, 1)[index]
+    return [x.clone().requires_grad_()], w
+
+
+def _explain(module, *inputs):
+    from hyper_parallel.platform.torch.compile_support import compiled_of
+    ex = compiled_of(module).explain(*inputs)
+    return ex.graph_count, ex.graph_break_count
+
+
+# ============================================================================ TP (+ SP) block
+def _tp_case(rank, world, inductor):
+    import copy
+
+    import torch
+    from hyper_parallel import init_device_mesh, parallelize_module
+    from hyper_parallel.platform.torch.compile_support import compile_module
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    results = {}
+    for name, plan, sp in (("tp", _tp_plan, False), ("sp", _sp_plan, True)):
+        ref = _block()
+        eager = parallelize_module(copy.deepcopy(ref), mesh, plan())
+        recorder = _Recorder(inductor)
+        compiled = compile_module(parallelize_module(copy.deepcopy(ref), mesh, plan()),
+                                  backend=recorder.backend)
+
+        def make_inputs(step):
+            return _inputs(step, world if sp else 1, rank if sp else 0)
+        _compare_steps(compiled, eager, make_inputs, 2, name)
+        results[name] = {"explain": _explain(compiled, make_inputs(0)[0][0]),
+                         "collectives": recorder.collectives(), "eager_c10d": recorder.eager_c10d(),
+                         "graphs": len(recorder.graphs)}
+    return results
+
+
+def _check_tp(results):
+    for name, res in results[0].items():
+        assert res["explain"] == (1, 0), f"{name}: (graphs, breaks) = {res['explain']}"
+        assert res["graphs"] == 2, f"{name}: one forward and one backward graph, got {res['graphs']}"
+        assert res["eager_c10d"] == [], f"{name}: an eager c10d op was traced"
+    # TP: the row-wise outputs all-reduce in forward, the column-wise inputs' gradients in backward;
+    # SP: all-gathers of the sequence in forward, their reduce-scatters (an all-to-all on gloo) back
+    tp, sp = results[0]["tp"]["collectives"], results[0]["sp"]["collectives"]
+    assert "all_reduce" in tp[0] and "all_reduce" in tp[1], tp
+    assert "all_gather_into_tensor" in sp[0] and "all_to_all_single" in sp[0], sp
+    assert "all_gather_into_tensor" in sp[1] and "all_to_all_single" in sp[1], sp
+
+
+def test_tp_sp_block_compiles_without_breaks():
+    """The Llama block under TP and under TP + SP: one graph, no break, functional collectives in
+    both directions; two AdamW steps equal eager (inductor)."""
+    _check_tp(run_dist(2, _tp_case, True, timeout=600))
+
+
+# ============================================================================ direct torch.compile
+def _direct_case(rank, world):
+    """``torch.compile(block)`` without compile_module: correct, with a graph break at each DTensor
+    call (counted, as docs/compile.md states)."""
+    import copy
+
+    import torch
+    from hyper_parallel import init_device_mesh, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    ref = _block()
+    eager = parallelize_module(copy.deepcopy(ref), mesh, _tp_plan())
+    compiled = parallelize_module(copy.deepcopy(ref), mesh, _tp_plan())
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    direct = torch.compile(compiled, backend=counting)
+    _compare_steps(direct, eager, _inputs, 2, "torch.compile(block)")
+    return len(graphs)
+
+
+def test_direct_torch_compile_is_correct_with_breaks():
+    graphs = run_dist(2, _direct_case, timeout=600)
+    assert graphs[0] == graphs[1] > 1, graphs   # pieces of plain-tensor code between DTensor calls
