@@ -228,7 +228,8 @@ def check_agreement(mesh_or_group: object, feature: str, settings: Mapping[str, 
 def _message(mesh_or_group: object, feature: str, names: list, shown: list, mins: list, maxs: list,
              fix: Optional[str]) -> str:
     rank = get_platform().get_rank()
-    where = mesh_or_group if hasattr(mesh_or_group, "get_group") else "its process group"
+    where = mesh_or_group if hasattr(mesh_or_group, "get_group") else \
+        f"process group {tuple(get_platform().group_ranks(mesh_or_group))}"
     fix = fix or "pass the same value on every rank"
     if mins[0] != maxs[0]:
         return (f"{feature}: the ranks of {where} reached different checks (rank {rank} checks {feature}): "

@@ -15,3 +15,13 @@ def test_agreement_table(framework, world_size):
 @pytest.mark.parametrize("framework,world_size", framework_worlds(2, mindspore=(2,)))
 def test_agreement_schedule(framework, world_size):
     assert run_on(framework, world_size, neutral.schedule, timeout=120) == [True] * world_size
+
+
+@pytest.mark.parametrize("framework,world_size", framework_worlds(2, 4, mindspore=(2,)))
+def test_linear_attention_disagreements(framework, world_size):
+    assert run_on(framework, world_size, neutral.linear_attention, timeout=120) == [True] * world_size
+
+
+@pytest.mark.parametrize("framework,world_size", framework_worlds(2, mindspore=(2,)))
+def test_chunked_loss_disagreements(framework, world_size):
+    assert run_on(framework, world_size, neutral.chunked_loss, timeout=120) == [True] * world_size

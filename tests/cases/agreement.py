@@ -99,3 +99,77 @@ def schedule(rank, world_size):
     finally:
         os.environ.pop("HP_CHECK_RANKS", None)
     return True
+
+
+def linear_attention(rank, world_size):
+    """The delta rule and the causal convolution under CP when one rank's arguments differ."""
+    from hyper_parallel import init_device_mesh
+    from hyper_parallel.core.context_parallel.linear_attention import (context_parallel_causal_conv1d,
+                                                                       context_parallel_delta_rule)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",), timeout=20)
+    odd = rank == world_size - 1
+    T, H, D = 2, 2, 4
+
+    def args(batch=1):
+        q, k, v = (t(inp(f"la-agree/{n}", rank, (batch, T, H, D))) for n in "qkv")
+        g = t(-np.abs(inp("la-agree/g", rank, (batch, T, H))))
+        beta = t(np.full((batch, T, H), 0.5, np.float32))
+        return q, k, v, g, beta
+    state = inp("la-agree/h0", 0, (1, H, D, D))
+    cases = [  # (setting named, keyword arguments of most ranks, of the odd rank)
+        ("initial_state", {}, {"initial_state": t(state)}),
+        ("initial_state contents", {"initial_state": t(state)}, {"initial_state": t(state + 1)}),
+        ("mode", {}, {"mode": "p2p"}),
+        ("chunk_size", {}, {"chunk_size": 3}),
+        ("scale", {"scale": 0.5}, {"scale": float("nan")}),
+        ("q/k/v/g/beta", {}, {"batch": 2}),
+    ]
+    for name, kw, odd_kw in cases:
+        mine = dict(odd_kw if odd else kw)
+        inputs = args(mine.pop("batch", 1))
+        expect_error(ValueError, lambda: context_parallel_delta_rule(*inputs, mesh, **mine),
+                     "linear attention (delta rule)", f"disagree on {name}")
+        _in_step(mesh, name)
+    x = t(inp("la-agree/x", rank, (1, 3, 4)))
+    for name, kernel, short in (("weight", 4 if not odd else 3, False), ("halo", 4, odd)):
+        xs = t(inp("la-agree/x", rank, (1, 3, 2))) if short else x
+        w = t(inp("la-agree/w", 0, (3, kernel)))
+        expect_error(ValueError, lambda: context_parallel_causal_conv1d(xs, w, None, mesh),
+                     "linear attention (causal conv)",
+                     "disagree on " + ("weight" if name == "weight" else "block"))
+        _in_step(mesh, name)
+    return True
+
+
+def chunked_loss(rank, world_size):
+    """A vocab-parallel chunked_cross_entropy whose TP ranks disagree: options and shapes at the
+    first call of a combination; the labels' values only under HP_CHECK_RANKS=every (they change
+    every step: comparing them on every call would cost a message per step)."""
+    from hyper_parallel import Shard, chunked_cross_entropy, distribute_tensor, init_device_mesh
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",), timeout=20)
+    odd = rank == world_size - 1
+    V, E, N = 2 * world_size, 3, 4
+    weight = distribute_tensor(t(inp("ce-agree/w", 0, (V, E))), mesh, [Shard(0)])
+    hidden = t(inp("ce-agree/h", 0, (N, E)))
+    labels = np.arange(N, dtype=np.int64) % V
+    cases = [("chunk_size", {"chunk_size": 2}, {"chunk_size": 3}),
+             ("ignore_index", {}, {"ignore_index": 0}),
+             ("reduction", {}, {"reduction": "mean"}),
+             ("labels (rank", {}, {"labels": labels[:-1], "hidden": hidden[:-1]})]
+    for name, kw, odd_kw in cases:
+        mine = dict(odd_kw if odd else kw)
+        h, y = mine.pop("hidden", hidden), mine.pop("labels", labels)
+        expect_error(ValueError, lambda: chunked_cross_entropy(h, weight, t(y), **mine),
+                     "chunked_cross_entropy", "disagree on", name)
+        _in_step(mesh, name)
+    other = (labels + (1 if odd else 0)) % V
+    chunked_cross_entropy(hidden, weight, t(other))     # values unchecked by default: documented
+    os.environ["HP_CHECK_RANKS"] = "every"
+    try:
+        expect_error(ValueError, lambda: chunked_cross_entropy(hidden, weight, t(other)), "labels values")
+        _in_step(mesh, "labels values")
+        close(chunked_cross_entropy(hidden, weight, t(labels)), chunked_cross_entropy(hidden, t(
+            inp("ce-agree/w", 0, (V, E))), t(labels)), "agreeing labels under every")
+    finally:
+        os.environ.pop("HP_CHECK_RANKS", None)
+    return True

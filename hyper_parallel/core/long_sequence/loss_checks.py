@@ -1,7 +1,8 @@
 """What ``chunked_cross_entropy`` checks before any data moves, and the vocab shard of its weight.
 
 Every check reads only arguments every rank of the TP group holds alike (shapes, the placements,
-the labels), so a bad call raises the same ``ValueError`` on every rank before the first all-reduce.
+the labels), so a bad call raises the same ``ValueError`` on every rank before the first all-reduce;
+that they really are alike is checked first (``agree_across_vocab_shards``, core/agreement.py).
 """
 from hyper_parallel.core.dtensor.layout import chunk_range
 from hyper_parallel.core.dtensor.placement_types import Shard
@@ -10,8 +11,32 @@ from hyper_parallel.platform import get_platform
 REDUCTIONS = ("sum", "mean", "none")
 
 
+def agree_across_vocab_shards(hidden, weight, labels, chunk_size, ignore_index, reduction):
+    """With a vocab-sharded weight, every rank of its TP group computes part of the same loss, so
+    they must pass the same arguments, hidden of one shape and the same labels: a ValueError on
+    every rank otherwise (core/agreement.py), before any per-rank check could raise alone. The
+    arguments, shapes and dtypes are compared at the first call of each combination; the labels'
+    values change every step, so they are compared (a digest, read to the host) only under
+    ``HP_CHECK_RANKS=every``. Only the TP dim: data-parallel ranks hold other labels legitimately."""
+    from hyper_parallel.core.agreement import Deferred, check_agreement, tensor_digest
+    placements = getattr(weight, "placements", None)
+    split = [m for m, p in enumerate(placements or ()) if p.is_shard()]
+    if len(split) != 1:
+        return   # a plain weight: no group; other layouts are refused (the same on every rank) later
+    local = lambda x: x.to_local() if hasattr(x, "device_mesh") else x  # noqa: E731
+    settings = {"chunk_size": chunk_size, "ignore_index": ignore_index, "reduction": reduction,
+                "hidden": local(hidden), "labels": local(labels),
+                "weight": (tuple(int(s) for s in weight.shape), tuple(str(p) for p in placements)),
+                "labels values": Deferred(lambda: tensor_digest(local(labels)), every_only=True)}
+    check_agreement(weight.device_mesh.get_group(split[0]), "chunked_cross_entropy", settings,
+                    signature="vocab-parallel",
+                    fix="every rank of the tensor-parallel group passes the same hidden states, labels and "
+                        "options (the labels of the same tokens)")
+
+
 def check_arguments(hidden, weight, labels, chunk_size, ignore_index, reduction):
     who = "chunked_cross_entropy"
+    agree_across_vocab_shards(hidden, weight, labels, chunk_size, ignore_index, reduction)
     if reduction not in REDUCTIONS:
         raise ValueError(f"{who}(reduction={reduction!r}): pass one of {REDUCTIONS}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:

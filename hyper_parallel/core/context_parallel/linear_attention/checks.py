@@ -44,3 +44,38 @@ def check_conv(x, weight, kernel, local_length):
     if local_length < kernel - 1:
         raise ValueError(f"causal conv: this rank's block has {local_length} tokens, fewer than the "
                          f"kernel's halo of {kernel - 1}; use fewer CP ranks or a longer sequence")
+
+
+# ---------------------------------------------------------------------- ranks that agree (SPEC §19)
+_FIX = ("call it alike on every CP rank: the same mode, chunk_size, scale and initial_state (the whole "
+        "sequence's), and blocks of one batch, heads and dims")
+
+
+def _without_seq(x):
+    """A block's shape with its sequence length (dim 1, which may differ between ranks) left out."""
+    shape = tuple(int(s) for s in x.shape)
+    return (str(x.dtype),) + shape[:1] + shape[2:]
+
+
+def agree_delta_rule(group, q, k, v, g, beta, mode, chunk_size, initial_state, use_qk_l2norm, scale):
+    """ValueError on every CP rank unless every rank runs the delta rule alike (one small message at
+    the first call of each combination; core/agreement.py). Before the per-rank checks: a rank whose
+    arguments alone are invalid would raise alone and leave its peers in the state exchange."""
+    from hyper_parallel.core.agreement import Deferred, check_agreement, tensor_digest
+    from hyper_parallel.platform import get_platform
+    settings = {"mode": mode, "chunk_size": chunk_size, "use_qk_l2norm": bool(use_qk_l2norm),
+                "scale": scale, "initial_state": initial_state,
+                "initial_state contents": Deferred(lambda: tensor_digest(initial_state)),
+                "q/k/v/g/beta (dtype, batch, heads, dims)": tuple(map(_without_seq, (q, k, v, g, beta))),
+                "grad mode (is_grad_enabled)": bool(get_platform().is_grad_enabled())}
+    check_agreement(group, "linear attention (delta rule)", settings, fix=_FIX)
+
+
+def agree_conv(group, x, weight, bias):
+    """The causal convolution's halo exchange needs one kernel, and a long enough block, everywhere."""
+    from hyper_parallel.core.agreement import check_agreement
+    kernel = int(weight.shape[-1]) if weight.dim() else 0
+    settings = {"weight": weight, "bias": bias,
+                "x (dtype, batch, channels)": (str(x.dtype),) + tuple(int(s) for s in x.shape[:-1]),
+                "block holds the kernel's halo": int(x.shape[-1]) >= kernel - 1}
+    check_agreement(group, "linear attention (causal conv)", settings, fix=_FIX)

@@ -6,7 +6,7 @@ single-device convolution). One batched P2P moves every halo at once; in backwar
 gradient goes back to the rank whose tokens it was, in one batched P2P as well.
 """
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
-from hyper_parallel.core.context_parallel.linear_attention.checks import check_conv
+from hyper_parallel.core.context_parallel.linear_attention.checks import agree_conv, check_conv
 from hyper_parallel.core.context_parallel.linear_attention.delta_rule import cp_group
 from hyper_parallel.platform import get_platform
 
@@ -55,6 +55,7 @@ def context_parallel_causal_conv1d(x, weight, bias, group):
     (channels,) or None. Activation is the caller's."""
     kernel = weight.shape[-1]
     length = x.shape[-1]
+    agree_conv(group, x, weight, bias)   # ranks alike first: check_conv reads this rank's block length
     check_conv(x, weight, kernel, length)
     if kernel > 1:
         x = get_platform().cat([previous_tokens(x, kernel - 1, group), x.to(weight.dtype)], dim=-1)

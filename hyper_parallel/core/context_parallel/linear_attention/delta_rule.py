@@ -6,7 +6,7 @@ summary (M, S) and, as a by-product of the same pass, its output's dependence on
 state (Q̃); the summaries are exchanged (state_exchange.py) and the output is then
 o = o(0) + Q̃ · S_in, one matmul. The local work never waits for another rank.
 """
-from hyper_parallel.core.context_parallel.linear_attention.checks import check_delta_rule
+from hyper_parallel.core.context_parallel.linear_attention.checks import agree_delta_rule, check_delta_rule
 from hyper_parallel.core.context_parallel.linear_attention.chunk_rule import block_summary
 from hyper_parallel.core.context_parallel.linear_attention.state_exchange import incoming_state
 from hyper_parallel.platform import get_platform
@@ -23,9 +23,10 @@ def context_parallel_delta_rule(q, k, v, g, beta, group, mode="allgather", initi
     """This rank's output block (b, t_local, h_v, d_v) in v's dtype; arguments as in
     chunk_rule.chunk_delta_rule, each a rank's sequence block. ``group``: the CP group (or a
     1-D DeviceMesh). ``initial_state`` (optional) is the whole sequence's, the same on every rank."""
+    group = cp_group(group)
+    agree_delta_rule(group, q, k, v, g, beta, mode, chunk_size, initial_state, use_qk_l2norm, scale)
     check_delta_rule(q, k, v, g, beta, mode, chunk_size, initial_state)
     platform = get_platform()
-    group = cp_group(group)
     out0, reads, summary_s, summary_m = block_summary(q, k, v, g, beta, chunk_size, use_qk_l2norm, scale)
     if initial_state is None:
         initial = platform.zeros(summary_s.shape, dtype=summary_s.dtype, device=summary_s.device)

@@ -10,7 +10,9 @@ import contextlib
 from hyper_parallel.core.arguments import check_delta_rule_numbers
 from hyper_parallel.core.context_parallel.linear_attention.chunk_rule import chunk_delta_rule
 from hyper_parallel.core.context_parallel.linear_attention.conv_halo import context_parallel_causal_conv1d
-from hyper_parallel.core.context_parallel.linear_attention.delta_rule import context_parallel_delta_rule
+from hyper_parallel.core.context_parallel.linear_attention.checks import agree_delta_rule
+from hyper_parallel.core.context_parallel.linear_attention.delta_rule import (
+    context_parallel_delta_rule, cp_group)
 from hyper_parallel.platform import get_platform
 
 _ACTIVE = []   # (group, mode) of the parallelized forwards running now, innermost last
@@ -35,8 +37,11 @@ def delta_rule(q, k, v, g, beta, initial_state=None, chunk_size=64, use_qk_l2nor
     """The gated delta rule's output (b, t, h_v, d_v): q, k (b, t, h_k, d_k); v (b, t, h_v, d_v);
     g (b, t, h_v) log-decay per head (GDN) or (b, t, h_v, d_k) per channel (KDA); beta (b, t, h_v).
     Under ``LinearAttentionContextParallel``: this rank's block, exact."""
-    check_delta_rule_numbers(chunk_size, scale)
     cp = active()
+    if cp is not None:   # ranks alike first: a rank refusing its own numbers alone would strand its peers
+        agree_delta_rule(cp_group(cp[0]), q, k, v, g, beta, cp[1], chunk_size, initial_state, use_qk_l2norm,
+                         scale)
+    check_delta_rule_numbers(chunk_size, scale)
     if cp is None:
         return chunk_delta_rule(q, k, v, g, beta, initial_state, chunk_size, use_qk_l2norm, scale)[0]
     return context_parallel_delta_rule(q, k, v, g, beta, cp[0], mode=cp[1], initial_state=initial_state,
