@@ -16,6 +16,7 @@ from hyper_parallel.platform.torch import factories as tensor_factories
 from hyper_parallel.platform.torch import fully_shard_support
 from hyper_parallel.platform.torch.aten_kinds import aten_kind, foreach_to_single, written_arguments
 from hyper_parallel.platform.torch.collectives import Collectives
+from hyper_parallel.platform.torch.compile_boundary import eager_boundary
 from hyper_parallel.platform.torch.dtensor_base import TorchDTensorBase
 from hyper_parallel.platform.torch.linear_algebra import TorchLinearAlgebra
 from hyper_parallel.platform.torch.long_sequence import TorchLongSequence
@@ -302,18 +303,20 @@ class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, Platform):
         torch.manual_seed(seed)
 
     # ---------------------------------------------------------------- modules and hooks
+    # the library's hooks and forward wrappers run eagerly under torch.compile (a graph boundary,
+    # docs/compile.md): dynamo cannot trace core's DTensor conversions
     def register_forward_pre_hook(self, module, hook, with_kwargs=False):
-        return module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
+        return module.register_forward_pre_hook(eager_boundary(hook), with_kwargs=with_kwargs)
 
     def register_forward_hook(self, module, hook, with_kwargs=False):
-        return module.register_forward_hook(hook, with_kwargs=with_kwargs)
+        return module.register_forward_hook(eager_boundary(hook), with_kwargs=with_kwargs)
 
     @staticmethod
     def replace_forward(module, make_wrapper):
         """Route ``module``'s calls through ``make_wrapper(original_forward)``; returns a function
         that restores the original."""
         original = module.forward
-        module.forward = make_wrapper(original)
+        module.forward = eager_boundary(make_wrapper(original))
 
         def restore():
             module.forward = original
