@@ -7,8 +7,6 @@ AOTAutograd forward / backward graphs (functional collectives, no eager c10d op)
 cores is slow: the default run uses the ``aot_eager`` backend (AOTAutograd traces exactly what
 inductor would compile) except for one inductor case; ``-m compile_full`` adds inductor everywhere.
 """
-import pytest
-
 from tests.harness import run_dist
 from tests.test_tensor_parallel import _block, _sp_plan, _tp_plan
 
@@ -35,8 +33,9 @@ class _Recorder:
             self.graphs.append(gm.code)
             return compile_fx_inner(gm, example_inputs, **kwargs)
         if inductor:
-            self.backend = lambda gm, example_inputs: compile_fx(gm, example_inputs,
-                                                                  inner_compile=record_inductor)
+            def backend(gm, example_inputs):
+                return compile_fx(gm, example_inputs, inner_compile=record_inductor)
+            self.backend = backend
         else:
             self.backend = aot_autograd(fw_compiler=record, bw_compiler=record)
 
@@ -101,7 +100,6 @@ def _explain(module, *inputs):
 def _tp_case(rank, world, inductor):
     import copy
 
-    import torch
     from hyper_parallel import init_device_mesh, parallelize_module
     from hyper_parallel.platform.torch.compile_support import compile_module
 

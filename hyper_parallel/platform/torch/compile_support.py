@@ -57,7 +57,8 @@ class _Signature:
     def key(self, leaves):
         """Layouts, constants and every tensor's shape / dtype / requires_grad: outputs' global
         shapes are read while tracing, so each key gets its own graph (no shape-polymorphic reuse)."""
-        tensors = tuple((tuple(leaves[i].shape), leaves[i].dtype, leaves[i].requires_grad) for i in self.slots)
+        tensors = tuple((tuple(leaves[i].shape), leaves[i].dtype, leaves[i].requires_grad)
+                        for i in self.slots)
         # an unhashable constant is keyed by identity; the signature holds it, so the id stays its own
         return (self.spec, tuple(_hashable(c) for c in self.constants), tuple(self.layouts), tensors)
 
