@@ -2,6 +2,8 @@
 MindSpore tuple form): the mesh checks and the ``no_sync`` switch."""
 import contextlib
 
+from hyper_parallel.core.agreement import check_agreement
+from hyper_parallel.core.bounded_cache import lifetime_key
 from hyper_parallel.core.dtensor.dtensor import DTensor
 
 
@@ -39,3 +41,24 @@ class Switchable:
             yield
         finally:
             self.enabled = previous
+
+
+def agree_parameters(mesh, named, reducer):
+    """Every rank of the data-parallel mesh reduces the same trainable parameters (names, shapes,
+    dtypes): the buckets' all-reduces would otherwise mismatch (SPEC §19). Checked once per
+    wrapped module (``reducer``) and set of parameters."""
+    check_agreement(mesh, "data_parallel", {
+        "trainable parameters": tuple(name for name, _ in named),
+        "their shapes": tuple(tuple(int(s) for s in p.shape) for _, p in named),
+        "their dtypes": tuple(str(p.dtype) for _, p in named),
+    }, signature=("trainable parameters", lifetime_key(reducer)),
+        fix="wrap the same model on every rank and freeze, unfreeze or add the same parameters on every "
+            "rank")
+
+
+def backward_count_error(count, mesh):
+    return (f"data_parallel: the ranks of {mesh} ran different numbers of backward passes since their last "
+            f"forward (this rank's backward #{count}): each backward all-reduces the gradients, so every "
+            f"rank "
+            f"must call backward() the same number of times per forward (accumulate with module.no_sync(), "
+            f"or sum the losses into one backward)")

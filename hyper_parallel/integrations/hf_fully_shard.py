@@ -4,6 +4,8 @@ The sharding mesh is the ``dp_shard`` dim; with a ``cp`` dim it is the flattened
 mesh, because context-parallel ranks see different tokens and their gradients must be reduced too
 (torchtitan's dp_shard_cp); with a ``dp_replicate`` dim (and no cp) it is the 2-D HSDP mesh.
 """
+import warnings
+
 from hyper_parallel.core.fully_shard import fully_shard
 from hyper_parallel.platform import get_platform
 
@@ -60,3 +62,30 @@ def apply_fully_shard(model, mesh, dp_shard, cp, average=True):
         fully_shard(layer, sharding, average=average)
     fully_shard(model, sharding, average=average)
     return model
+
+
+def warn_unreduced_dims(model, mesh, reduced):
+    """Mesh dims of size > 1 over which nothing parallelize_model applied reduces the gradients
+    (``reduced``: the dims its wrappers cover): the ranks along them hold replicas that drift apart
+    unless the user wraps the model in ``data_parallel`` over them. Checked at the first forward,
+    when that call has had its chance: a warning there names the dims and the fix."""
+    names = tuple(mesh.mesh_dim_names or ())
+    dims = [n for n in names if n not in reduced and (mesh.size() if mesh.ndim == 1 else mesh[n].size()) > 1]
+    if not dims:
+        return
+    handle = [None]
+
+    def check(module, args):
+        handle[0].remove()
+        reducer = getattr(model, "_hp_grad_reducer", None)
+        covered = set(reducer.mesh.rank_list) if reducer is not None and hasattr(reducer, "mesh") else set()
+        missing = [d for d in dims if not set((mesh if mesh.ndim == 1 else mesh[d]).rank_list) <= covered]
+        if missing:
+            fix = (f"mesh[{missing[0]!r}]" if len(missing) == 1 else
+                   f"mesh[{', '.join(map(repr, missing))}].flatten()")
+            warnings.warn(f"parallelize_model: the gradients are reduced over no wrapper on mesh dim(s) "
+                          f"{missing}: the ranks along them hold replicas of the parameters that will drift "
+                          f"apart. Wrap the model: data_parallel(model, {fix}) after parallelize_model (or "
+                          f"name the data dim 'dp_shard' to shard it with fully_shard)", UserWarning,
+                          stacklevel=2)
+    handle[0] = get_platform().register_forward_pre_hook(model, check)

@@ -12,6 +12,7 @@ parallel ranks (``mesh["dp", "cp"].flatten()``): see docs/training.md.
 from hyper_parallel.integrations.hf_chunked_loss import apply_chunked_loss, check_loss_option
 from hyper_parallel.integrations.hf_context_parallel import apply_context_parallel, prepare_context_parallel
 from hyper_parallel.integrations.hf_expert_parallel import apply_expert_parallel, check_expert_parallel
+from hyper_parallel.integrations.hf_fully_shard import warn_unreduced_dims
 from hyper_parallel.integrations.hf_linear_attention import make_linear_attention_exact
 from hyper_parallel.integrations.hf_mla import make_mla_exact
 from hyper_parallel.integrations.hf_tensor_parallel import apply_tensor_parallel, translate_plan
@@ -62,8 +63,9 @@ def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shar
         raise ValueError(f"parallelize_model(average=False) sets fully_shard's gradient reduction, but the "
                          f"mesh {device_mesh.mesh_dim_names} has no {dp_shard!r} dim; pass "
                          f"data_parallel(model, mesh, average=False) for replicated data parallelism")
+    ep_dims = ()
     if ep is not None:   # MoE experts split over mesh dim(s) ``ep`` (hf_expert_parallel.py, SPEC §17)
-        check_expert_parallel(model, device_mesh, ep, fsdp, tp_mesh is not None)
+        ep_dims = check_expert_parallel(model, device_mesh, ep, fsdp, tp_mesh is not None)
     if cp_mode is not None:
         context_parallel_kwargs["mode"] = cp_mode
     if context_parallel_kwargs and cp_mesh is None:
@@ -88,5 +90,8 @@ def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shar
         apply_fully_shard(model, device_mesh, dp_shard, cp if cp_mesh is not None else None, average)
     if loss == "chunked":
         apply_chunked_loss(model, context_parallel=cp_mesh is not None)
+    # a dim whose gradients no wrapper reduces (dp without data_parallel) warns at the first forward
+    reduced = {tp, *ep_dims} | ({dp_shard, cp, "dp_replicate"} if fsdp else set())
+    warn_unreduced_dims(model, device_mesh, reduced)
     model._hp_parallelized = True
     return model
