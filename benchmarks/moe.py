@@ -98,7 +98,8 @@ def imbalance(counts, n):
     out = []
     for layer in range(len(counts[0])):
         experts = len(counts[0][layer])
-        rows = [sum(counts[s][layer][e] for s in range(n) for e in range(r * experts // n, (r + 1) * experts // n))
+        local = experts // n
+        rows = [sum(counts[s][layer][e] for s in range(n) for e in range(r * local, (r + 1) * local))
                 for r in range(n)]
         out.append(max(rows) / (sum(rows) / n))
     return out
@@ -139,7 +140,8 @@ def run_rank(args):
             _step(model, opt, x)
             times[name].append((time.perf_counter() - start) * 1e3)
     result = {
-        "rank": rank, "expert_bytes": expert_bytes(runs[EP][0]), "expert_bytes_total": expert_bytes(runs[DP][0]),
+        "rank": rank, "expert_bytes": expert_bytes(runs[EP][0]),
+        "expert_bytes_total": expert_bytes(runs[DP][0]),
         "dispatch_bytes_step": dispatch["bytes"], "dispatch_all_to_alls": dispatch["calls"],
         "comm_counts_step": dispatch["all"], "closed_form_bytes": closed_form(every, rank, n, args.hidden),
         "imbalance_per_layer": imbalance(every, n), "routing_counts": counts,
@@ -156,14 +158,15 @@ def run_rank(args):
 
 def _report(args, results):
     n = args.nproc
-    print(f"{n} ranks (ep {n}), {args.layers} MoE blocks, {args.experts} experts of {args.hidden}x{args.inter}, "
-          f"top-{args.top_k}, {args.tokens} tokens per rank")
-    print(f"{'rank':<6}{'expert B':>12}{'total / ep':>12}{'ratio':>8}{'dispatch B/step':>17}{'closed form':>13}"
-          f"{'a2a calls':>11}{'imbalance':>11}")
+    print(f"{n} ranks (ep {n}), {args.layers} MoE blocks, {args.experts} experts of "
+          f"{args.hidden}x{args.inter}, top-{args.top_k}, {args.tokens} tokens per rank")
+    print(f"{'rank':<6}{'expert B':>12}{'total / ep':>12}{'ratio':>8}{'dispatch B/step':>17}"
+          f"{'closed form':>13}{'a2a calls':>11}{'imbalance':>11}")
     for r in results:
         per = r["expert_bytes_total"] / n
         print(f"{r['rank']:<6}{r['expert_bytes']:>12,d}{per:>12,.0f}{r['expert_bytes'] / per:>8.3f}"
-              f"{r['dispatch_bytes_step']:>17,d}{r['closed_form_bytes']:>13,d}{r['dispatch_all_to_alls']:>11d}"
+              f"{r['dispatch_bytes_step']:>17,d}{r['closed_form_bytes']:>13,d}"
+              f"{r['dispatch_all_to_alls']:>11d}"
               f"{max(r['imbalance_per_layer']):>11.3f}")
     med = {k: statistics.median(r["step_ms"][k] for r in results) for k in results[0]["step_ms"]}
     print("step time (median over ranks of each rank's median, interleaved rounds):")

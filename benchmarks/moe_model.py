@@ -70,7 +70,8 @@ class RoutingRecorder:
         self.handles = [block.experts.register_forward_pre_hook(self._hook) for block in model.blocks]
 
     def _hook(self, _module, args):
-        self.counts.append(self.torch.bincount(args[1].flatten(), minlength=self.experts)[:self.experts].tolist())
+        counts = self.torch.bincount(args[1].flatten(), minlength=self.experts)
+        self.counts.append(counts[:self.experts].tolist())
 
     def remove(self):
         for handle in self.handles:

@@ -43,15 +43,17 @@ def try_torchtitan(torch, args, mesh, x):
         diff = float((xs[0].grad - xs[1].grad).abs().max())
         times = {"torchtitan AllToAllTokenDispatcher": [], "hyper_parallel dispatch_combine": []}
         for _ in range(args.rounds):
-            for name, fn in zip(times, (lambda: _titan_round(torch, dispatcher, x.detach().requires_grad_(True),
-                                                             scores, index, args.experts),
-                                        lambda: _our_round(torch, group, n, x.detach().requires_grad_(True),
-                                                           scores, index, args.experts))):
+            rounds = (lambda: _titan_round(torch, dispatcher, x.detach().requires_grad_(True), scores, index,
+                                           args.experts),
+                      lambda: _our_round(torch, group, n, x.detach().requires_grad_(True), scores, index,
+                                         args.experts))
+            for name, fn in zip(times, rounds):
                 torch.distributed.barrier()
                 start = time.perf_counter()
                 fn()
                 times[name].append((time.perf_counter() - start) * 1e3)
-        return {"status": "ran", "dispatch_combine_fwd_bwd_ms": {k: statistics.median(v) for k, v in times.items()},
+        return {"status": "ran",
+                "dispatch_combine_fwd_bwd_ms": {k: statistics.median(v) for k, v in times.items()},
                 "max_grad_difference": diff}
     except Exception as exc:  # noqa: BLE001  (the peer is optional: report why it is absent)
         return {"status": "skipped", "reason": f"{type(exc).__name__}: {str(exc)[:300]}"}

@@ -103,7 +103,8 @@ def train_case(rank, world_size, family, steps=2):
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
     model, ref = parallelize_model(make(family), mesh, ep="dp_shard"), make(family)
     experts = [p for n, p in model.named_parameters() if ".experts." in n]
-    assert experts and all(isinstance(p, DTensor) and p.to_local().shape[0] == 8 // world_size for p in experts)
+    assert experts and all(isinstance(p, DTensor) and p.to_local().shape[0] == 8 // world_size
+                           for p in experts)
     opt, ref_opt = _optimizers(model, ref)
     for step in range(steps):
         out = model(input_ids=ids(rank, step), labels=ids(rank, step))
@@ -136,7 +137,8 @@ def cp_case(rank, world_size, family, ep, steps=2):
         tokens = ids(mesh.get_local_rank(0), step)
         count = torch.tensor(2 * (SEQ - 1))
         local_ids, local_labels = shard_sequence([tokens, _shifted(tokens)], mesh["cp"])
-        out = model(input_ids=local_ids, labels=local_labels, shift_labels=local_labels, num_items_in_batch=count)
+        out = model(input_ids=local_ids, labels=local_labels, shift_labels=local_labels,
+                    num_items_in_batch=count)
         out.loss.backward()
         batch = torch.cat([ids(i, step) for i in range(2)])
         ref_out = ref(input_ids=batch, labels=batch)
@@ -249,7 +251,8 @@ def _hf_errors(rank, world_size):
     from hyper_parallel.integrations.transformers import parallelize_model
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
     cases = [({"ep": "ep"}, "qwen3_moe", {}, "has no 'ep' dim"),
-             ({"ep": "dp_shard"}, "qwen3_moe", {"num_experts": 3}, "3 experts are not divisible by the ep size 2"),
+             ({"ep": "dp_shard"}, "qwen3_moe", {"num_experts": 3},
+              "3 experts are not divisible by the ep size 2"),
              ({"ep": "dp_shard"}, "mixtral", {"num_experts_per_tok": 9}, "top-k 9 exceeds the 8 experts"),
              ({"ep": 3}, "qwen3_moe", {}, "pass a mesh dim name")]
     with CommDebugMode() as comm:

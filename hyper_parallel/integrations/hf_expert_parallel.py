@@ -48,7 +48,8 @@ def ep_dims(mesh: object, ep: object) -> Tuple[str, ...]:
 def _moe_blocks(model: object) -> List[object]:
     platform = get_platform()
     return [module for _, module in platform.named_modules(model)
-            if any(name == "experts" and is_stacked_experts(child) for name, child in platform.named_children(module))]
+            if any(name == "experts" and is_stacked_experts(child)
+                   for name, child in platform.named_children(module))]
 
 
 def _sub(mesh: object, dims: Sequence[str]) -> Optional[object]:
@@ -77,8 +78,8 @@ def check_expert_parallel(model: object, mesh: object, ep: object, data_parallel
     num, top_k = _config_int(config, _NUM_EXPERTS), _config_int(config, _TOP_K)
     blocks = _moe_blocks(model)
     if not blocks:
-        raise ValueError(f"parallelize_model(ep={ep!r}): {type(model).__name__} has no MoE layer with stacked "
-                         f"experts (an 'experts' module with 3-D gate_up_proj / down_proj)")
+        raise ValueError(f"parallelize_model(ep={ep!r}): {type(model).__name__} has no MoE layer with "
+                         f"stacked experts (an 'experts' module with 3-D gate_up_proj / down_proj)")
     num = num or int(dict(get_platform().named_parameters(blocks[0].experts))["gate_up_proj"].shape[0])
     validate_degrees(num, size, top_k)
     return dims

@@ -90,7 +90,8 @@ def _inverse(perm: np.ndarray) -> np.ndarray:
     return inverse
 
 
-def plan_routing(top_k_index: object, num_experts: int, group: object, ep: int, device: object) -> RoutingPlan:
+def plan_routing(top_k_index: object, num_experts: int, group: object, ep: int,
+                 device: object) -> RoutingPlan:
     """Sort this rank's assignments by expert and exchange the counts (one small all-to-all)."""
     platform = get_platform()
     flat = host_ints(top_k_index).reshape(-1)

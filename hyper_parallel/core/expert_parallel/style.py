@@ -12,12 +12,12 @@ Gradients: an expert's gradient arrives summed over every ep rank's loss. With `
 fully_shard over the remaining data ranks then averages over those. ``average=False`` keeps the sum
 (a loss normalised by the global token count).
 """
-import zlib
 from typing import Dict, Tuple
 
+from hyper_parallel.core.agreement import check_agreement
+from hyper_parallel.core.bounded_cache import lifetime_key
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Shard
-from hyper_parallel.core.dtensor.rank_check import mesh_min_max
 from hyper_parallel.core.expert_parallel.dispatch import GradScale, dispatch_combine
 from hyper_parallel.core.expert_parallel.experts import (check_layout, expert_parameter_names, find_experts,
                                                          grouped_compute)
@@ -44,7 +44,6 @@ class ExpertState:
         self.ep = mesh.size()
         self.group = mesh.get_group(0)
         self.names = expert_parameter_names(module)
-        self.verified = set()
 
     def check(self, hidden: object, top_k_index: object) -> None:
         """Shape checks on every rank, then (first call of a signature) the ranks' agreement on the
@@ -52,23 +51,15 @@ class ExpertState:
         exchanging mismatched splits."""
         top_k = int(top_k_index.shape[-1])
         if top_k > self.num_experts:
-            raise ValueError(f"ExpertParallel: top-k {top_k} exceeds the {self.num_experts} experts; route each "
-                             f"token to at most num_experts experts")
+            raise ValueError(f"ExpertParallel: top-k {top_k} exceeds the {self.num_experts} experts; route "
+                             f"each token to at most num_experts experts")
         if int(top_k_index.shape[0]) != int(hidden.shape[0]) or len(hidden.shape) != 2:
             raise ValueError(f"ExpertParallel: hidden_states {tuple(hidden.shape)} and top_k_index "
                              f"{tuple(top_k_index.shape)} must be (tokens, hidden) and (tokens, top_k)")
-        values = (self.num_experts, top_k, int(hidden.shape[-1]), str(hidden.dtype), self.average, self.ep)
-        if values in self.verified:
-            return
-        # TODO(agreement): core.agreement.check_agreement(mesh, "expert_parallel", settings) once committed
-        fields = [zlib.crc32(repr(v).encode()) & 0x7FFFFFFF for v in values]
-        mins, maxs = mesh_min_max(self.mesh, fields)
-        differ = [name for name, lo, hi in zip(_SETTINGS, mins, maxs) if lo != hi]
-        if differ:
-            mine = ", ".join(f"{n}={v!r}" for n, v in zip(_SETTINGS, values) if n in differ)
-            raise ValueError(f"ExpertParallel: the ranks of the ep mesh disagree on {', '.join(differ)} (this "
-                             f"rank: {mine}); every rank must route with the same settings")
-        self.verified.add(values)
+        settings = dict(zip(_SETTINGS, (self.num_experts, top_k, int(hidden.shape[-1]), str(hidden.dtype),
+                                        self.average, self.ep)))
+        check_agreement(self.mesh, "expert_parallel", settings, signature=lifetime_key(self),
+                        fix="route with the same experts, top-k, hidden size and dtype on every ep rank")
 
     def local_parameters(self) -> Dict[str, object]:
         platform = get_platform()
