@@ -27,11 +27,11 @@ import sys
 
 import mindspore as ms
 
+from hyper_parallel.platform.mindspore import placeholder_guard
 from hyper_parallel.platform.mindspore.dtensor_base import MindSporeDTensorBase
+from hyper_parallel.platform.mindspore.placeholder_guard import GRAPH_MODE_MESSAGE
 
-GRAPH_MODE_MESSAGE = ("hyper_parallel on MindSpore runs in PyNative mode only (its DTensor dispatch is "
-                      "Python, which GRAPH_MODE and ms.jit compile away): call "
-                      "ms.set_context(mode=ms.PYNATIVE_MODE) and do not wrap parallelized Cells in ms.jit")
+BYTECODE = "ms.jit(capture_mode='bytecode')"
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 # attribute set on Cells whose calls hyper_parallel routes (hooks, replaced construct, DTensor params)
@@ -97,28 +97,131 @@ def refuse(who, *values, fn=None):
     """Raise the documented RuntimeError when a compiler is about to see hyper_parallel objects."""
     why = _reason(values) or (_function_reason(fn) if fn is not None else None)
     if why:
-        raise RuntimeError(f"{who}: {why}; a compiled graph sees only the empty placeholder of a "
-                           f"DTensor (a silent wrong result). {GRAPH_MODE_MESSAGE}")
+        raise RuntimeError(placeholder_guard.refusal(who, why))
 
 
-def _rephrased(compile_fn, who, inputs):
+def _rephrased(compile_fn, who, inputs, graph_key):
     """``compile_fn`` (a MindSpore compile step) that first refuses hyper_parallel objects
-    (``inputs(*args, **kwargs)`` -> (values, function)), and turns parse errors raised inside
+    (``inputs(*args, **kwargs)`` -> (values, function)), then refuses the graph when the compiler
+    converted a DTensor by any other path (placeholder_guard.py; ``graph_key(result, *args)`` names the
+    cached graph, refused on every later call too), and turns parse errors raised inside
     hyper_parallel's code (MindSpore's message then lists our files) into the same error."""
     @functools.wraps(compile_fn)
     def compile_(*args, **kwargs):
         values, fn = inputs(*args, **kwargs)
         refuse(who, *values, fn=fn)
+        before = placeholder_guard.token()
         try:
-            return compile_fn(*args, **kwargs)
-        except (RuntimeError, TypeError) as exc:
-            if _PACKAGE_DIR not in str(exc):
+            result = compile_fn(*args, **kwargs)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            seen = placeholder_guard.sighted_since(before)
+            if seen:
+                raise RuntimeError(_sighted(who, seen)) from exc
+            if isinstance(exc, ValueError) or (_PACKAGE_DIR not in str(exc) and not _parsing_ours(exc)):
                 raise
             first = str(exc).strip().split("\n")[0]
             raise RuntimeError(f"MindSpore compiled hyper_parallel's code in GRAPH_MODE or under ms.jit "
                                f"({first}). {GRAPH_MODE_MESSAGE}") from exc
+        _refuse_graph(who, graph_key(result, *args), placeholder_guard.sighted_since(before))
+        return result
     compile_._hp_rephrased = True
     return compile_
+
+
+def _parsing_ours(exc):
+    """Whether MindSpore's ast parser raised while parsing a function of hyper_parallel (its Parser
+    object, ``self`` of a frame of the traceback, names the file): e.g. a parallelized Cell kept in a
+    plain list attribute, which the Cell check does not see, failed with "issubclass() arg 1 must be a
+    class" on a ``with`` statement of our hooks."""
+    tb = exc.__traceback__
+    while tb is not None:
+        filename = getattr(tb.tb_frame.f_locals.get("self"), "filename", None)
+        if isinstance(filename, str) and filename.startswith(_PACKAGE_DIR):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+# graphs (MindSpore's cache keys) compiled with a DTensor's placeholder in them: refused on every call,
+# also when MindSpore reuses the cached graph without converting anything again
+_REFUSED = {}
+
+
+def _sighted(who, seen):
+    return placeholder_guard.refusal(who, f"{seen} reached the compiled graph (through a default argument, "
+                                          f"a global, an attribute or a container)")
+
+
+def _refuse_graph(who, key, seen):
+    if seen and key is not None:
+        _REFUSED[key] = seen
+    seen = seen or _REFUSED.get(key)
+    if seen:
+        raise RuntimeError(_sighted(who, seen))
+
+
+def _ast_key(phase, executor, *args, **kwargs):
+    return ("ast", phase)
+
+
+def _cell_key(result, cell, *args, **kwargs):
+    return ("cell", getattr(cell, "compile_phase", None))
+
+
+def _trace_key(new_compile, *args, **kwargs):
+    # trace converts nothing: the function runs next, recording; DTensor operators then refuse
+    # (placeholder_guard.check_not_tracing)
+    placeholder_guard.trace_opened(new_compile)
+    return None
+
+
+def _trace_begin(begin):
+    @functools.wraps(begin)
+    def begin_(*args, **kwargs):
+        try:
+            return begin(*args, **kwargs)
+        except BaseException:
+            placeholder_guard.abandon_trace()
+            raise
+    return begin_
+
+
+def _trace_end(end):
+    @functools.wraps(end)
+    def end_(*args, **kwargs):
+        placeholder_guard.trace_closed()
+        try:
+            return end(*args, **kwargs)
+        except BaseException:   # MindSpore left the trace open: every later operator would fail
+            placeholder_guard.abandon_trace()
+            raise
+    end_._hp_rephrased = True
+    return end_
+
+
+def _bytecode_key(result, *args, **kwargs):
+    # PreJit runs before PIJit captures anything: remember where the sightings count stood, for __exit__
+    context = sys._getframe(2).f_locals.get("self")
+    if context is None:
+        return None
+    context._hp_token = placeholder_guard.token()
+    return ("bytecode", getattr(context.fn, "__code__", None))
+
+
+def _bytecode_exit(exit_):
+    """PIJit captures and runs the function inside its context; on leaving it, a DTensor converted on
+    the way refuses the result and the function's code (PIJit caches the compiled code per code object
+    and reuses it without converting again)."""
+    @functools.wraps(exit_)
+    def exit_checked(self, exc_type, exc_val, exc_tb):
+        result = exit_(self, exc_type, exc_val, exc_tb)
+        before = self.__dict__.pop("_hp_token", None)
+        if before is not None and exc_type is None:
+            key = ("bytecode", getattr(self.fn, "__code__", None))
+            _refuse_graph(BYTECODE, key, placeholder_guard.sighted_since(before))
+        return result
+    exit_checked._hp_rephrased = True
+    return exit_checked
 
 
 def _ast_inputs(executor, method_name, *args, **kwargs):
@@ -163,14 +266,20 @@ def install():
     """Once per process: every compile entry point refuses hyper_parallel objects (module docstring)."""
     from mindspore.graph import api, jit_trace
     from mindspore.graph._utils import pijit_context
-    patches = ((api._JitExecutor, "compile", "ms.jit", _ast_inputs),
-               (ms.nn.Cell, "compile", "a Cell compiled in GRAPH_MODE", _cell_inputs),
-               (jit_trace, "_jit_trace_begin", "ms.jit(capture_mode='trace')", _trace_inputs),
-               (pijit_context, "PreJit", "ms.jit(capture_mode='bytecode')", _bytecode_inputs))
-    for owner, name, who, inputs in patches:
+    patches = ((api._JitExecutor, "compile", "ms.jit", _ast_inputs, _ast_key),
+               (ms.nn.Cell, "compile", "a Cell compiled in GRAPH_MODE", _cell_inputs, _cell_key),
+               (jit_trace, "_jit_trace_begin", "ms.jit(capture_mode='trace')", _trace_inputs, _trace_key),
+               (pijit_context, "PreJit", BYTECODE, _bytecode_inputs, _bytecode_key))
+    for owner, name, who, inputs, key in patches:
         original = getattr(owner, name)
         if not getattr(original, "_hp_rephrased", False):
-            setattr(owner, name, _rephrased(original, who, inputs))
+            original = _trace_begin(original) if key is _trace_key else original
+            setattr(owner, name, _rephrased(original, who, inputs, key))
+    exit_ = pijit_context.PIJitCaptureContext.__exit__
+    if not getattr(exit_, "_hp_rephrased", False):
+        pijit_context.PIJitCaptureContext.__exit__ = _bytecode_exit(exit_)
+    if not getattr(jit_trace._jit_trace_end, "_hp_rephrased", False):
+        jit_trace._jit_trace_end = _trace_end(jit_trace._jit_trace_end)
     from mindspore.ops.function.grad import grad_func
     if not getattr(grad_func._pynative_func_grad_forward, "_hp_rephrased", False):
         grad_func._pynative_func_grad_forward = _checked_vjp_forward(grad_func._pynative_func_grad_forward)

@@ -32,7 +32,7 @@ import numpy as np
 import mindspore as ms
 from mindspore.ops.primitive import Primitive
 
-from hyper_parallel.platform.mindspore import meta
+from hyper_parallel.platform.mindspore import meta, placeholder_guard
 from hyper_parallel.platform.mindspore.op_names import MsOp, lookup
 # the primitives of real models' ops add their entries to op_names' TABLE when imported
 from hyper_parallel.platform.mindspore import op_names_models  # noqa: F401
@@ -54,6 +54,8 @@ class MindSporeDTensorBase(ms.Tensor):
     # core's ensure_leaf_grad_layout registers a gradient hook on leaf DTensors; on MindSpore the
     # leaf's consumers bring its gradient to its layout instead (autograd.py)
     _hp_hooked = True
+    # what every MindSpore compiler asks of an object it turns into a graph value (placeholder_guard.py)
+    __parameter__ = placeholder_guard.CompilerSighting()
 
     def __new__(cls, local_tensor, global_shape, requires_grad=False):
         placeholder = _placeholder(local_tensor.dtype)
@@ -116,6 +118,7 @@ class MindSporeDTensorBase(ms.Tensor):
     # ------------------------------------------------------------------ operators
     @classmethod
     def __fallback__(cls, func, args, kwargs=None, *rest):
+        placeholder_guard.check_not_tracing(args)
         name = func.name
         legacy = None
         args = tuple(args)
@@ -149,6 +152,7 @@ class MindSporeDTensorBase(ms.Tensor):
         return result
 
     def __getitem__(self, index):
+        placeholder_guard.check_not_tracing(self)
         result = type(self)._hp_function("getitem", _GETITEM, (self, index), {})
         if result is NotImplemented:
             return _replicated(type(self), "getitem", _GETITEM, (self, index), {})
