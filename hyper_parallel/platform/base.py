@@ -10,12 +10,14 @@ import threading
 from hyper_parallel.platform.handles import AsyncHandle, CompletedHandle  # noqa: F401  (re-exported)
 from hyper_parallel.platform.training_contract import TrainingLoopContract, unavailable as _unavailable
 from hyper_parallel.platform.split_collectives import SplitCollectivesContract
+from hyper_parallel.platform.compute_state_contract import ComputeStateContract
 from hyper_parallel.platform.linear_algebra_contract import LinearAlgebraContract
 from hyper_parallel.platform.long_sequence_contract import LongSequenceContract as _LongSequence
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
 
-class Platform(TrainingLoopContract, SplitCollectivesContract, LinearAlgebraContract, _LongSequence, abc.ABC):
+class Platform(TrainingLoopContract, SplitCollectivesContract, LinearAlgebraContract, _LongSequence,
+               ComputeStateContract, abc.ABC):
     """Abstract platform. A subclass sets ``_comm`` (its raw collectives) in ``__init__``. Declared in their
     own files: the training loop, split collectives, the delta rule's linear algebra (*_contract.py)."""
 

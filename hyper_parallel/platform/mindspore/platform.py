@@ -28,12 +28,14 @@ from hyper_parallel.platform.mindspore.collectives import Collectives
 from hyper_parallel.platform.mindspore.groups import MsGroup
 from hyper_parallel.platform.mindspore.training import MindSporeTrainingSupport
 from hyper_parallel.platform.mindspore.long_sequence import MindSporeLongSequence
+from hyper_parallel.platform.mindspore.compute_state import MindSporeComputeState
 from hyper_parallel.platform.mindspore.dtensor_base import MindSporeDTensorBase
 
 _LAUNCHER_ENV = ("MS_ROLE", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT")
 
 
-class MindSporePlatform(MindSporeTrainingSupport, MindSporeLongSequence, Platform):  # training.py: DP, ckpt
+class MindSporePlatform(MindSporeTrainingSupport, MindSporeLongSequence, MindSporeComputeState,  # training.py: DP
+                        Platform):
     name = "mindspore"
     Tensor = ms.Tensor
     Module = ms.nn.Cell

@@ -18,12 +18,13 @@ from hyper_parallel.platform.torch.aten_kinds import aten_kind, foreach_to_singl
 from hyper_parallel.platform.torch.collectives import Collectives
 from hyper_parallel.platform.torch.compile_boundary import eager_boundary
 from hyper_parallel.platform.torch.dtensor_base import TorchDTensorBase
+from hyper_parallel.platform.torch.compute_state import TorchComputeState
 from hyper_parallel.platform.torch.linear_algebra import TorchLinearAlgebra
 from hyper_parallel.platform.torch.long_sequence import TorchLongSequence
 from hyper_parallel.platform.torch.memory import PeakMemory
 
 
-class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, Platform):
+class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, TorchComputeState, Platform):
     name = "torch"
     Tensor = torch.Tensor
     Module = torch.nn.Module

@@ -16,13 +16,14 @@ PATH`` writes the same numbers to a JSON file that ``ContextParallel(mode="auto"
 (or ``HP_CP_CALIBRATION=PATH``) reads instead of measuring.
 """
 import json
+import math
 import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
 
 from hyper_parallel.core.bounded_cache import BoundedCache
-from hyper_parallel.core.context_parallel.auto.tuning import stand_in
+from hyper_parallel.core.context_parallel.auto.tuning import outside_user_state, stand_in
 from hyper_parallel.core.context_parallel.mode import run_attention
 from hyper_parallel.platform import get_platform
 
@@ -76,20 +77,71 @@ class Machine:
 
     @classmethod
     def load(cls, path):
-        with open(path) as f:
-            values = json.load(f)
+        """The numbers of a file ``save`` wrote; ValueError naming the file and the field for anything
+        missing, not a number, NaN, infinite or out of range (a zero bandwidth would divide by zero,
+        a NaN would rank every mode alike)."""
+        values = _read(path)
         optional = ("overheads", "collectives", "contention", "overlap")   # files older than these
         numbers = [k for k in cls.__dataclass_fields__ if k not in optional]
         missing = [k for k in numbers if k not in values]
         if missing:
-            raise ValueError(f"calibration file {path} lacks {missing}; write it with python -m "
-                             f"benchmarks.cp_attention --calibrate {path}")
-        overheads = tuple(sorted((str(k), float(v)) for k, v in values.get("overheads", {}).items()))
-        collectives = tuple(sorted((str(k), float(v[0]), float(v[1]))
-                                   for k, v in values.get("collectives", {}).items()))
-        extra = {k: float(values[k]) for k in optional[2:] if k in values}
-        return cls(**{k: float(values[k]) for k in numbers}, overheads=overheads, collectives=collectives,
-                   **extra)
+            raise ValueError(f"calibration file {path} lacks {missing}; {_REWRITE.format(path=path)}")
+        fields = {k: _number(path, k, values[k], *_RANGES[k]) for k in numbers}
+        fields.update({k: _number(path, k, values[k], *_RANGES[k]) for k in optional[2:] if k in values})
+        overheads = _table(path, "overheads", values.get("overheads", {}), 1)
+        collectives = _table(path, "collectives", values.get("collectives", {}), 2)
+        return cls(**fields, overheads=tuple(sorted((k, v[0]) for k, v in overheads)),
+                   collectives=tuple(sorted((k, v[0], v[1]) for k, v in collectives)))
+
+
+_REWRITE = "write it again with python -m benchmarks.cp_attention --calibrate {path}"
+_POSITIVE, _NON_NEGATIVE = (0.0, None, False), (0.0, None, True)
+# (lowest, highest, whether the lowest itself is allowed) of each number in a calibration file
+_RANGES = {"flops": _POSITIVE, "ds_bandwidth": _POSITIVE, "co_bandwidth": _POSITIVE,
+           "ds_latency": _NON_NEGATIVE, "co_latency": _NON_NEGATIVE, "contention": _POSITIVE,
+           "overlap": (0.0, 1.0, True)}
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            values = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"calibration file {path} cannot be read as JSON ({e}); "
+                         f"{_REWRITE.format(path=path)}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"calibration file {path} holds a {type(values).__name__}, not the object "
+                         f"of named numbers --calibrate writes; {_REWRITE.format(path=path)}")
+    return values
+
+
+def _number(path, field, value, lowest, highest=None, lowest_allowed=True):
+    """``value`` as a float; ValueError naming the file and the field unless finite and in range."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value >= lowest if lowest_allowed else value > lowest)
+    ok = ok and (highest is None or value <= highest)
+    if not ok:
+        bound = f">= {lowest}" if lowest_allowed else f"> {lowest}"
+        bound += f" and <= {highest}" if highest is not None else ""
+        raise ValueError(f"calibration file {path}: {field} = {value!r} must be a finite number {bound}; "
+                         f"{_REWRITE.format(path=path)}")
+    return float(value)
+
+
+def _table(path, field, table, width):
+    """[(name, [numbers])] of a {name: number} (width 1) or {name: [per_byte, latency]} field."""
+    if not isinstance(table, dict):
+        raise ValueError(f"calibration file {path}: {field} must be an object of named numbers; "
+                         f"{_REWRITE.format(path=path)}")
+    out = []
+    for name, entry in table.items():
+        entry = [entry] if width == 1 else entry
+        if not isinstance(entry, list) or len(entry) != width:
+            what = "a number" if width == 1 else f"[{width} numbers]"
+            raise ValueError(f"calibration file {path}: {field}[{name!r}] = {entry!r} must be {what}; "
+                             f"{_REWRITE.format(path=path)}")
+        out.append((str(name), [_number(path, f"{field}[{name!r}]", v, *_NON_NEGATIVE) for v in entry]))
+    return out
 
 
 def machine_for(mesh, path=None, make_style=None):
@@ -100,7 +152,8 @@ def machine_for(mesh, path=None, make_style=None):
         return Machine.load(path)
     key = mesh.to_hash()
     if key not in _MEASURED:
-        _MEASURED[key] = measure(mesh, make_style=make_style)
+        with outside_user_state():   # the first call may come inside the user's masks, no_grad, autocast
+            _MEASURED[key] = measure(mesh, make_style=make_style)
     return _MEASURED[key]
 
 
@@ -159,8 +212,8 @@ def measure(mesh, nbytes=1 << 22, make_style=None):
     for _, per_byte, latency in collectives:
         values += [per_byte, latency]
     values += [_mode_seconds(make_style(**kwargs), mesh) for _, kwargs in families]
-    slowest = platform.all_reduce(platform.tensor(values, dtype=platform.float32()), mesh.get_group(0), "max",
-                                   tag="calibration")
+    slowest = platform.all_reduce(platform.tensor(values, dtype=platform.float32()), mesh.get_group(0),
+                                  "max", tag="calibration")
     v = [float(x) for x in slowest.tolist()]
     first = 7 + 2 * len(collectives)
     return Machine(flops=1.0 / v[0], ds_bandwidth=1.0 / max(v[1], 1e-15), ds_latency=v[2],
@@ -252,7 +305,8 @@ def _families(cp):
            ("ring", {"ulysses_degree": 1, "kv_exchange": "ring"}),
            ("ring-zigzag", {"ulysses_degree": 1, "kv_exchange": "ring", "load_balance": True})]
     if cp >= 4 and cp % 2 == 0:
-        out += [("hybrid", {"ulysses_degree": 2}), ("hybrid-ring", {"ulysses_degree": 2, "kv_exchange": "ring"})]
+        out += [("hybrid", {"ulysses_degree": 2}),
+                ("hybrid-ring", {"ulysses_degree": 2, "kv_exchange": "ring"})]
     return out if cp > 1 else out[:1]
 
 

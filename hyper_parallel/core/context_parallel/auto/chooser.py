@@ -12,7 +12,6 @@ and every candidate's predicted time; the first choice of each signature is also
 """
 import logging
 import os
-import re
 import zlib
 from dataclasses import dataclass, field
 
@@ -50,8 +49,7 @@ class Choice:
 
 
 def _itemsize(dtype):
-    digits = re.findall(r"\d+", str(dtype))
-    return int(digits[-1]) // 8 if digits else 4
+    return get_platform().dtype_itemsize(dtype)   # from the framework: float8's name ends in digits too
 
 
 def _file_digest(path):

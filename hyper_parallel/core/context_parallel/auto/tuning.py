@@ -12,10 +12,12 @@ v: the user's graph is untouched), round-robin with the others, the median of fi
 takes the slowest rank's times (one all-reduce), so every rank picks alike. The result is cached
 per mesh and signature, so the layers of a model that share a shape tune once.
 """
+import contextlib
 import statistics
 import time
 
 from hyper_parallel.core.bounded_cache import BoundedCache
+from hyper_parallel.core.context_parallel.masks import attention_masks
 from hyper_parallel.core.context_parallel.mode import run_attention
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.platform import get_platform
@@ -24,6 +26,15 @@ MARGIN = 1.5       # a candidate predicted within this factor of the best is tim
 SHORTLIST = 3      # at most this many, fastest predicted first
 ROUNDS = 5         # timed rounds (each runs every candidate once)
 _TIMED = BoundedCache(256)
+
+
+@contextlib.contextmanager
+def outside_user_state():
+    """The stand-ins and the calibration run here, never in the caller's state: not under its
+    ``attention_masks`` (they describe the caller's sequence, not a stand-in's), nor its grad mode,
+    inference mode or autocast (the framework's default computation state)."""
+    with attention_masks(), get_platform().default_compute_state():
+        yield
 
 
 def shortlist(predicted):
@@ -41,7 +52,8 @@ def timed_seconds(key, mesh, qkv, dims, causal, runners):
         platform = get_platform()
         call = stand_in(dims, causal, qkv)
         steps = [_step(platform, style, sub_mesh, qkv, call) for style, sub_mesh in runners.values()]
-        seconds = _interleaved(platform, steps)
+        with outside_user_state():
+            seconds = _interleaved(platform, steps)
         slowest = platform.all_reduce(platform.tensor(seconds, dtype=platform.float32()), mesh.get_group(0),
                                       "max", tag="cp-auto-tuning")
         found = _TIMED[key] = dict(zip(runners, (float(s) for s in slowest.tolist())))

@@ -1,0 +1,24 @@
+"""What a library's own measurement needs from the framework: element sizes, and a computation state
+of its own (core/context_parallel/auto: the calibration and the tuning's stand-ins).
+
+``Platform`` in base.py inherits it; torch overrides both (platform/torch/compute_state.py),
+MindSpore the element size (platform/mindspore/compute_state.py).
+"""
+import contextlib
+
+from hyper_parallel.platform.training_contract import unavailable
+
+
+class ComputeStateContract:
+    """Declared members of element sizes and the default computation state."""
+
+    def dtype_itemsize(self, dtype):
+        """Bytes per element of ``dtype`` (float8: 1, bfloat16: 2, float32: 4), from the framework, never
+        parsed from the dtype's name."""
+        raise unavailable("dtype_itemsize (element sizes)", self)
+
+    def default_compute_state(self):
+        """Context manager: the framework's default computation state inside — gradients recorded, no
+        inference mode, no autocast — whatever the caller had set. A framework without such global
+        state: a context that changes nothing."""
+        return contextlib.nullcontext()
