@@ -23,6 +23,14 @@ REFUSED = {
                        "gathered: it was called outside that unit's forward",
     "shapes_differ": "fully_shard: the ranks of DeviceMesh",
     "calls_differ": "fully_shard unit call: the ranks of DeviceMesh",
+    # one rank alone freezes a parameter after the ranks agreed: HP_CHECK_RANKS=every catches it
+    "frozen_on_one_rank": "fully_shard: the ranks of DeviceMesh",
+}
+
+NAMED = {   # the setting the agreement errors name
+    "shapes_differ": "parameters of unit 'blocks.0' (rank",
+    "calls_differ": "call of the unit in this forward",
+    "frozen_on_one_rank": "parameters of unit 'the root Net' (rank",
 }
 
 
@@ -99,6 +107,7 @@ def _adopted(case, rank, world_size):
 
 
 def _refused(case, rank, world_size):
+    import os
     import torch
     from hyper_parallel import fully_shard
     from tests import fully_shard_models as fm
@@ -123,6 +132,15 @@ def _refused(case, rank, world_size):
         return model.head(model.blocks[0](model.inp(x)))
     if case == "calls_differ":   # rank 0 runs block 0 twice, in the root's forward
         model.repeat_first = rank == 0
+    if case == "frozen_on_one_rank":
+        fm.loss_fn(model(x)).backward()
+        if rank == 1:
+            model.head.weight.requires_grad_(False)
+        os.environ["HP_CHECK_RANKS"] = "every"
+        try:
+            return model(x)
+        finally:
+            del os.environ["HP_CHECK_RANKS"]
     fm.loss_fn(model(x)).backward()
     opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2)
     opt.step()
@@ -154,5 +172,4 @@ def test_state_changed_after_fully_shard(world_size, cases):
                 assert results[case] == "ok", (rank, case, results[case])
             else:
                 assert REFUSED[case] in results[case], (rank, case, results[case])
-    assert "parameters of unit 'blocks.0' (rank" in results["shapes_differ"]
-    assert "call of the unit in this forward" in results["calls_differ"]
+                assert NAMED.get(case, "") in results[case], (rank, case, results[case])
