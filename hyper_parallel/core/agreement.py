@@ -39,7 +39,6 @@ Caches live in ``BoundedCache`` (emptied at ``reset_platform``); callers build s
 ``lifetime_key`` (never ``id()``), so a verified decision never outlives its object.
 """
 import math
-import os
 import zlib
 from collections.abc import Hashable, Mapping
 from typing import Callable, Optional
@@ -47,25 +46,13 @@ from typing import Callable, Optional
 import numpy as np
 
 from hyper_parallel.core.bounded_cache import BoundedCache
-from hyper_parallel.core.dtensor.rank_check import dtype_name, mesh_min_max
+from hyper_parallel.core.dtensor.rank_check import CHECK_RANKS_ENV as CHECK_ENV
+from hyper_parallel.core.dtensor.rank_check import check_every, dtype_name, mesh_min_max
 from hyper_parallel.platform import get_platform
 
-CHECK_ENV = "HP_CHECK_RANKS"
 MAX_FIELDS = 24
 _HEADER = ("feature", "setting names", "number of settings")
 _MASK = (1 << 31) - 1
-
-
-def check_every() -> bool:
-    """``HP_CHECK_RANKS=every``: exchange the settings on every call (debugging; one small
-    all-reduce per call and per mesh dim)."""
-    value = os.environ.get(CHECK_ENV, "").strip().lower()
-    if value in ("", "first", "default"):
-        return False
-    if value in ("every", "all", "1", "on", "true", "yes"):
-        return True
-    raise ValueError(f"{CHECK_ENV}={value!r} is not understood: set it to 'every' (check that the ranks "
-                     f"agree on every call) or unset it (check at the first call of each signature)")
 
 
 class Deferred:

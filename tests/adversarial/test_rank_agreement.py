@@ -25,3 +25,8 @@ def test_linear_attention_disagreements(framework, world_size):
 @pytest.mark.parametrize("framework,world_size", framework_worlds(2, mindspore=(2,)))
 def test_chunked_loss_disagreements(framework, world_size):
     assert run_on(framework, world_size, neutral.chunked_loss, timeout=120) == [True] * world_size
+
+
+@pytest.mark.parametrize("framework,world_size", framework_worlds(2, mindspore=(2,)))
+def test_tp_input_differing_per_rank_under_check_every(framework, world_size):
+    assert run_on(framework, world_size, neutral.tp_input_every, timeout=120) == [True] * world_size

@@ -177,3 +177,58 @@ def test_contextparallel_disagreements_raise_on_every_rank(world_size, which):
         for name, text in messages.items():
             if name != "softcap_nan_everywhere":
                 assert "ContextParallel" in text and f"rank {rank} has" in text, (rank, name, text)
+
+
+def _steady(rank, world_size):
+    """A repeated identical call adds no check message; HP_CHECK_RANKS=every adds one per check
+    point (the call's and its attention kernel's), and a one-sided change of a setting a rank
+    verified before is then a ValueError on every rank (not a hang)."""
+    import os
+
+    import torch
+    saved = os.environ.pop("HP_CP_DEBUG", None)   # the default schedule (the suite runs in CP debug mode)
+    try:
+        return _steady_counts(torch, world_size, rank)
+    finally:
+        if saved is not None:
+            os.environ["HP_CP_DEBUG"] = saved
+
+
+def _steady_counts(torch, world_size, rank):
+    import os
+
+    from hyper_parallel import ContextParallel, init_device_mesh
+    from hyper_parallel.core.comm_mode import CommDebugMode
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",), timeout=20)
+    cell = _Attention({"is_causal": True})
+    ContextParallel(ulysses_degree=1).apply(cell, mesh)
+    S = 4 * world_size * 50
+    q, k, v = _blocks(torch, world_size, rank, S)
+    with CommDebugMode() as first:
+        cell(q, k, v)
+    with CommDebugMode() as later:
+        cell(q, k, v)
+        cell(q, k, v)
+    assert first.get_comm_counts().get("shape_check", 0) >= 2, first.get_comm_counts()
+    assert "shape_check" not in later.get_comm_counts(), later.get_comm_counts()
+    os.environ["HP_CHECK_RANKS"] = "every"
+    try:
+        with CommDebugMode() as every:
+            cell(q, k, v)
+        assert every.get_comm_counts().get("shape_check", 0) >= 2, every.get_comm_counts()
+        # hyper_parallel.attention's settings: agreed once, then one rank alone changes softcap. (sdpa's
+        # are re-compared only when the dispatcher re-evaluates its rule: agreement_attention.py)
+        cap = [_Attention(variant={"softcap": 20.0 if rank != world_size - 1 or i == 0 else 30.0})
+               for i in range(2)]
+        for c in cap:
+            ContextParallel(ulysses_degree=1).apply(c, mesh)
+        cap[0](q, k, v)
+        _expect(lambda: cap[1](q, k, v), "disagree on softcap", "one-sided change under every")
+        _in_step(torch, mesh, "one-sided change")
+    finally:
+        os.environ.pop("HP_CHECK_RANKS", None)
+    return True
+
+
+def test_steady_state_adds_no_check_and_every_checks_each_call():
+    assert run_dist(2, _steady, timeout=120) == [True, True]

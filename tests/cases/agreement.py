@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from tests.frameworks import close, expect_error, inp, t
+from tests.frameworks import close, expect_error, inp, np_of, t
 
 # (setting name, the value of every other rank, the odd rank's value); names are unique per case so
 # each case is the first call of its key
@@ -172,4 +172,28 @@ def chunked_loss(rank, world_size):
             inp("ce-agree/w", 0, (V, E))), t(labels)), "agreeing labels under every")
     finally:
         os.environ.pop("HP_CHECK_RANKS", None)
+    return True
+
+
+def tp_input_every(rank, world_size):
+    """A tensor-parallel input that differs per rank is a documented precondition; HP_CHECK_RANKS=every
+    checks it (the Replicate values compared at the style's from_local), naming the module."""
+    from hyper_parallel import ColwiseParallel, RowwiseParallel, init_device_mesh, parallelize_module
+    from tests.cases.rank_disagree import E, F, _linear_kind
+    from tests.frameworks import current
+    fw = current()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",), timeout=20)
+    mlp = fw.mlp(_linear_kind(), E, F)
+    parallelize_module(mlp, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    x = inp("tp-every", 0, (2, E))
+    bumped = (x + (0.25 if rank == world_size - 1 else 0.0)).astype(np.float32)
+    os.environ["HP_CHECK_RANKS"] = "every"
+    try:
+        expect_error(ValueError, lambda: mlp(t(bumped)), "ColwiseParallel", "max difference 0.25",
+                     "HP_CHECK_RANKS=every")
+        _in_step(mesh, "tp input")
+        out = mlp(t(x))
+    finally:
+        os.environ.pop("HP_CHECK_RANKS", None)
+    close(mlp(t(x)), np_of(out), "agreeing input: same result with and without the check")
     return True

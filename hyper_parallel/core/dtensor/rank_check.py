@@ -115,9 +115,25 @@ def check_same_meta(tensor, mesh, who, fix):
 
 
 # ---------------------------------------------------------------------- when to check
+CHECK_RANKS_ENV = "HP_CHECK_RANKS"
+
+
+def check_every():
+    """``HP_CHECK_RANKS=every``: every cross-rank check runs on every call (core/agreement.py and
+    this module's; unset or ``first``: at the first call of each signature)."""
+    value = os.environ.get(CHECK_RANKS_ENV, "").strip().lower()
+    if value in ("", "first", "default"):
+        return False
+    if value in ("every", "all", "1", "on", "true", "yes"):
+        return True
+    raise ValueError(f"{CHECK_RANKS_ENV}={value!r} is not understood: set it to 'every' (check that the "
+                     f"ranks agree on every call) or unset it (check at the first call of each signature)")
+
+
 def debug_checks():
-    """``HP_DTENSOR_DEBUG=1``: check on every call and compare Replicate values (docs/dtensor.md)."""
-    return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """``HP_DTENSOR_DEBUG=1`` or ``HP_CHECK_RANKS=every``: check on every call and compare Replicate
+    values (a tensor-parallel input that differs per rank; docs/dtensor.md)."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on") or check_every()
 
 
 _VERIFIED = BoundedCache(4096)
@@ -257,10 +273,11 @@ def check_replicated_values(local, mesh, placements):
     who, _ = _caller("DTensor.from_local")
     what = f"max difference {worst:.6g}" + (" (an inf on some ranks)" if worst == float("inf") else "")
     raise ValueError(f"{who}: a piece laid out as {tuple(placements)} on {mesh} is replicated over mesh "
-                     f"dim(s) {dims} but differs between those ranks ({what}; {DEBUG_ENV}=1 compares "
-                     f"them); rank {get_platform().get_rank()} has {dtype_name(local.dtype)} "
-                     f"{tuple(int(s) for s in local.shape)}. Give every rank the same value (same seed, "
-                     f"same data), or declare the input Shard/Partial if it really differs per rank")
+                     f"dim(s) {dims} but differs between those ranks ({what}; {DEBUG_ENV}=1 or "
+                     f"{CHECK_RANKS_ENV}=every compares them); rank {get_platform().get_rank()} has "
+                     f"{dtype_name(local.dtype)} {tuple(int(s) for s in local.shape)}. Give every rank the "
+                     f"same value (same seed, same data), or declare the input Shard/Partial if it really "
+                     f"differs per rank")
 
 
 def broadcast_replicated(local, mesh, placements):
