@@ -10,6 +10,8 @@ Tensor-parallel parameters are MindSpore Parameters holding this rank's shard, s
 are shards too: all-reducing them over the data-parallel mesh (whose ranks hold the same shard)
 keeps the layout. Their own mesh must not share ranks with the data-parallel mesh (ValueError).
 """
+from hyper_parallel.core.agreement import check_agreement
+from hyper_parallel.core.bounded_cache import lifetime_key
 from hyper_parallel.core.data_parallel_checks import Switchable, check_disjoint_meshes, check_one_dim
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.platform import get_platform
@@ -41,6 +43,13 @@ class TupleGradReducer(Switchable):
             return grads
         self.platform.check_execution_mode("data_parallel's gradient reducer")
         grads = tuple(grads)
+        # the buckets' all-reduces match only if every rank reduces the same gradients: checked at
+        # the first call of each reducer and gradient layout (every call under HP_CHECK_RANKS=every)
+        check_agreement(self.mesh, "data_parallel", {
+            "gradient shapes": tuple(tuple(int(s) for s in g.shape) for g in grads),
+            "gradient dtypes": tuple(str(g.dtype) for g in grads)},
+            signature=("gradients", lifetime_key(self)),
+            fix="wrap the same model and optimizer on every rank")
         locals_ = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
         reduced = list(locals_)
         # every bucket's all-reduce is started before the first is waited for (they overlap where

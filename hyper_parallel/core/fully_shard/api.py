@@ -53,6 +53,7 @@ def fully_shard(module, mesh, *, reshard_after_forward=True, mp_policy=None, ave
 
 def _tuple_fully_shard(module, owned, mesh_info, policy, average):
     """MindSpore: the all-gather inside the differentiated graph (tuple_grads.py)."""
+    wrap_state.agree_at_wrap(mesh_info.mesh, module, owned)
     unit = TupleUnit(module, owned, mesh_info, policy, average)
     module._hp_fsdp_state = unit
     setters = {f"set_{field}": field for field in ("requires_gradient_sync", "reshard_after_forward",

@@ -175,6 +175,18 @@ def agree(mesh: object, states: list, schedule: object) -> None:
                         "freeze / unfreeze / cast the same parameters on every rank")
 
 
+def agree_at_wrap(mesh: object, unit: object, owned: list) -> None:
+    """Wrap time (the tuple-gradient path, whose units have no root forward to check at): every
+    rank wraps a module of this class with parameters of the same paths, shapes and dtypes."""
+    paths = module_paths(unit)
+    check_agreement(mesh, "fully_shard", {
+        "unit class": type(unit).__name__,
+        "parameters of the unit": tuple((describe(paths, unit, locations), tuple(int(s) for s in param.shape),
+                                         str(param.dtype)) for param, locations in owned),
+    }, signature=("wrap", lifetime_key(unit)),
+        fix="build the same model on every rank and apply fully_shard to the same modules in the same order")
+
+
 def agree_call(mesh: object, state: object, calls: int) -> None:
     """A unit's all-gather is about to run: every rank is at the same unit and call."""
     check_agreement(mesh, "fully_shard unit call",
