@@ -59,9 +59,11 @@ def check_optional_float(who: str, name: str, value, **limits):
 
 
 # ------------------------------------------------------------------ entry points with several numbers
-def check_context_parallel(seq_dim, head_dim, ulysses_degree, chunks, memory_budget) -> None:
+def check_context_parallel(seq_dim, head_dim, ulysses_degree, chunks, memory_budget, qkv_indices=()) -> None:
     """ContextParallel / AsyncContextParallel's numeric arguments."""
     who = "ContextParallel"
+    for i, index in enumerate(qkv_indices):
+        check_int(who, f"qkv_indices[{i}]", index, fix="the positions of q, k, v in the module's arguments")
     check_int(who, "seq_dim", seq_dim, fix="the sequence dim of q, k, v (1 for BSHD, 2 for BNSD)")
     check_int(who, "head_dim", head_dim, fix="the heads dim of q, k, v (2 for BSHD, 1 for BNSD)")
     check_optional_int(who, "ulysses_degree", ulysses_degree, minimum=1,

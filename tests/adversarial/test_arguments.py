@@ -72,6 +72,19 @@ def _shard(name, value):
     hp.Shard(value)
 
 
+def _strided_shard(name, value):
+    hp.StridedShard(0, value)
+
+
+def _attention_masks(name, value):
+    with hp.attention_masks(padding_mask=torch.ones(1, 4, dtype=torch.bool), block_size=value):
+        pass
+
+
+def _qkv_indices(name, value):
+    hp.ContextParallel(qkv_indices=(0, value, 2))
+
+
 def _sequence_parallel(name, value):
     hp.SequenceParallel(**{name: value})
 
@@ -97,6 +110,9 @@ LOCAL = [
     (_mesh_shape, "mesh_shape", (0, -2, True, 1.5, NAN, INF)),
     (_shard, "dim", ANY_INT),
     (_sequence_parallel, "sequence_dim", ANY_INT),
+    (_strided_shard, "split_factor", POSITIVE_INT),
+    (_attention_masks, "block_size", POSITIVE_INT),
+    (_qkv_indices, "qkv_indices", ANY_INT),
 ]
 LOCAL_CASES = [(fn, name, bad) for fn, name, bads in LOCAL for bad in bads]
 

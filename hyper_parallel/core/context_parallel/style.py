@@ -44,7 +44,7 @@ class ContextParallel(ParallelStyle):
     def __init__(self, seq_dim=1, head_dim=2, ulysses_degree=None, qkv_indices=(0, 1, 2), qkv_kwarg_names=(),
                  use_local_output=False, load_balance=False, kv_exchange="allgather", overlap=False,
                  chunks=2, mode=None, memory_budget=None, calibration=None, causal=None, tune=None):
-        check_context_parallel(seq_dim, head_dim, ulysses_degree, chunks, memory_budget)
+        check_context_parallel(seq_dim, head_dim, ulysses_degree, chunks, memory_budget, qkv_indices)
         _check_auto(mode, ulysses_degree, load_balance, kv_exchange, memory_budget, calibration, causal, tune)
         if seq_dim == head_dim:
             raise ValueError(f"seq_dim and head_dim must differ (got {seq_dim}); use 1/2 for BSHD, 2/1 for BNSD")

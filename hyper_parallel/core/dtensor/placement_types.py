@@ -65,9 +65,8 @@ class StridedShard(Shard):
 
     def __init__(self, dim, split_factor):
         super().__init__(dim)
-        if not isinstance(split_factor, int) or split_factor < 1:
-            raise ValueError(f"StridedShard split_factor must be a positive int, got {split_factor!r}")
-        self.split_factor = split_factor
+        self.split_factor = check_int("StridedShard", "split_factor", split_factor, minimum=1,
+                                      fix="the positive int size of the later mesh dims that split the dim")
 
     def with_dim(self, dim):
         return StridedShard(dim, self.split_factor)

@@ -28,6 +28,7 @@ import contextlib
 import contextvars
 from dataclasses import dataclass
 
+from hyper_parallel.core.arguments import check_int
 from hyper_parallel.platform import get_platform
 
 DEFAULT_BLOCK = 256
@@ -85,8 +86,8 @@ def attention_masks(document_ids=None, cu_seqlens=None, padding_mask=None, batch
     ``batch`` is needed only with ``cu_seqlens`` and no ``padding_mask`` (to fold the B·S tokens
     into rows; 1 by default). ``block_size``: the query/key tile of the masked kernels (each tile's
     mask is B×block×block booleans; a tile the masks empty is skipped)."""
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"attention_masks: block_size must be a positive int, got {block_size!r}")
+    check_int("attention_masks", "block_size", block_size, minimum=1,
+              fix="the tile size of the masked kernels (256)")
     document_ids, padding_mask = _as_2d("document_ids", document_ids), _as_2d("padding_mask", padding_mask)
     if cu_seqlens is not None:
         flat, total = _ids_from_cu_seqlens(cu_seqlens, padding_mask, document_ids)
