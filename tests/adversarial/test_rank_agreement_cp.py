@@ -133,7 +133,40 @@ def _odd_call(torch, mesh, rank, world, S, how):
         cell(q, k, v)
 
 
-def _cases(rank, world_size, which):
+def _auto_cases(torch, mesh, rank, world_size, tmp):
+    """mode='auto': options at apply, the grad mode and the calibration file's contents per call."""
+    import contextlib
+
+    from hyper_parallel import ContextParallel
+    from hyper_parallel.core.context_parallel.auto.calibration import Machine
+    odd = rank == world_size - 1
+    path = f"{tmp}/calibration-{rank}.json"
+    Machine(1e12, 1e9, 1e-5, 1e9 if not odd else 1e8, 1e-5).save(path)   # the odd rank: slower links
+    same = f"{tmp}/calibration-same-{rank}.json"
+    Machine(1e12, 1e9, 1e-5, 1e9, 1e-5).save(same)
+    cases = [  # (name, style kwargs of most ranks, of the odd rank, grad off on the odd rank, fragment)
+        ("causal", {"causal": True}, {"causal": False}, False, "causal (rank"),
+        ("memory_budget", {}, {"memory_budget": 1e12}, False, "memory_budget"),
+        ("calibration source", {"calibration": same}, {}, False, "calibration (rank"),
+        ("calibration contents", {"calibration": path}, {"calibration": path}, False,
+         "calibration file contents"),
+        ("grad mode", {"calibration": same}, {"calibration": same}, True, "grad mode"),
+    ]
+    messages = {}
+    for i, (name, kw, odd_kw, no_grad, fragment) in enumerate(cases):
+        cell = _Attention({"is_causal": True})
+        q, k, v = _blocks(torch, world_size, rank, 4 * world_size * (i + 40))
+
+        def run():
+            ContextParallel(mode="auto", tune=False, **(odd_kw if odd else kw)).apply(cell, mesh)
+            with torch.no_grad() if (odd and no_grad) else contextlib.nullcontext():
+                cell(q, k, v)
+        messages[name] = _expect(run, fragment, name)
+        _in_step(torch, mesh, name)
+    return messages
+
+
+def _cases(rank, world_size, which, tmp=None):
     import torch
     import torch.nn.functional  # noqa: F401
     from hyper_parallel import ContextParallel, init_device_mesh
@@ -152,6 +185,8 @@ def _cases(rank, world_size, which):
             messages[name] = _expect(lambda: _odd_call(torch, mesh, rank, world_size, S * (i + 2), how),
                                      fragment, name)
             _in_step(torch, mesh, name)
+    elif which == "auto":
+        messages = _auto_cases(torch, mesh, rank, world_size, tmp)
     else:
         for i, (name, kw, odd_kw, fragment) in enumerate(_attention_cases()):
             n = S * (i + 20)
@@ -170,9 +205,9 @@ def _cases(rank, world_size, which):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("which", ["style", "call", "attention"])
-def test_contextparallel_disagreements_raise_on_every_rank(world_size, which):
-    results = run_dist(world_size, _cases, which, timeout=240)
+@pytest.mark.parametrize("which", ["style", "call", "attention", "auto"])
+def test_contextparallel_disagreements_raise_on_every_rank(world_size, which, tmp_path):
+    results = run_dist(world_size, _cases, which, str(tmp_path), timeout=240)
     for rank, messages in enumerate(results):
         for name, text in messages.items():
             if name != "softcap_nan_everywhere":
