@@ -296,6 +296,7 @@ def expected_cases(function_modes=FUNCTION_MODES, cell_modes=CELL_MODES):
     rows = [f"{kind} | {mode} | {name}" for mode, ns in names.items() for kind in KINDS for name in ns
             if not _skipped(mode, kind, name)]
     extra = [f"{mode} | TP Cell in a list attribute" for mode in CELL_MODES]
+    extra += [f"{kind} | ms.export | Cell list attribute" for kind in KINDS]
     return rows + extra + [f"{mode} | from_local inside" for mode in CELL_MODES if mode != "graph"]
 
 
@@ -324,4 +325,18 @@ def paths_table(rank, world_size, function_modes=FUNCTION_MODES, cell_modes=CELL
                 table[f"{kind} | {mode} | {name}"] = [_outcome(call, want) for _ in "12"]
     for name, call, expected in _tp_in_list(ms, mesh, w, x):
         table[name] = [_outcome(call, expected) for _ in "12"]
+    for kind, t in kinds:
+        cell = cell_paths(t)["list attribute"]
+        table[f"{kind} | ms.export | Cell list attribute"] = [_exported(ms, cell, x) for _ in "12"]
     return table
+
+
+def _exported(ms, cell, x):
+    """``ms.export`` compiles the Cell too (MindIR holding the placeholder): 'exported' or 'refused'."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            ms.export(cell, x, file_name=f"{folder}/net", file_format="MINDIR")
+        except RuntimeError as exc:
+            return "refused" if "PYNATIVE_MODE" in str(exc) else f"RuntimeError: {str(exc)[:160]}"
+    return "exported"

@@ -168,6 +168,15 @@ def _cell_key(result, cell, *args, **kwargs):
     return ("cell", getattr(cell, "compile_phase", None))
 
 
+def _executor_inputs(executor, cell, *args, **kwargs):
+    return (cell, args, kwargs), None
+
+
+def _executor_key(result, *args, **kwargs):
+    # (phase, new) -- the Cell executor also compiles for ms.export and the train Model
+    return ("cell", result[0]) if isinstance(result, tuple) and result else None
+
+
 def _trace_key(new_compile, *args, **kwargs):
     # trace converts nothing: the function runs next, recording; DTensor operators then refuse
     # (placeholder_guard.check_not_tracing)
@@ -268,6 +277,8 @@ def install():
     from mindspore.graph._utils import pijit_context
     patches = ((api._JitExecutor, "compile", "ms.jit", _ast_inputs, _ast_key),
                (ms.nn.Cell, "compile", "a Cell compiled in GRAPH_MODE", _cell_inputs, _cell_key),
+               (api._CellGraphExecutor, "compile", "a Cell compiled in GRAPH_MODE", _executor_inputs,
+                _executor_key),
                (jit_trace, "_jit_trace_begin", "ms.jit(capture_mode='trace')", _trace_inputs, _trace_key),
                (pijit_context, "PreJit", BYTECODE, _bytecode_inputs, _bytecode_key))
     for owner, name, who, inputs, key in patches:
