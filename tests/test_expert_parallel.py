@@ -260,6 +260,9 @@ def _hf_errors(rank, world_size):
             with pytest.raises(ValueError, match=text):
                 parallelize_model(make(family, **overrides), mesh, **kwargs)
     assert comm.get_total_counts() == 0
+    square = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("ep", "dp_shard"))
+    with pytest.raises(ValueError, match="'ep' is not a data dim"):
+        parallelize_model(make("qwen3_moe"), square, ep="ep")
     return True
 
 

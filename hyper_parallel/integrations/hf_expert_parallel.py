@@ -90,9 +90,10 @@ def apply_expert_parallel(model: object, mesh: object, ep: object, data_dims: Se
     """Split the experts over ``ep``, fully_shard them over ``data_dims`` minus ``ep`` and make the
     load-balancing loss global over ``data_dims``."""
     dims = check_expert_parallel(model, mesh, ep)
-    ep_mesh = _sub(mesh, dims)
     names = tuple(mesh.mesh_dim_names or ())
     data_dims = [d for d in data_dims if d is not None and d in names]
+    _check_data_dims(mesh, ep, dims, data_dims)
+    ep_mesh = _sub(mesh, dims)
     rest = _sub(mesh, [d for d in data_dims if d not in dims and mesh[d].size() > 1])
     for block in _moe_blocks(model):
         ExpertParallel(average=average).apply(block.experts, ep_mesh)
@@ -101,6 +102,21 @@ def apply_expert_parallel(model: object, mesh: object, ep: object, data_dims: Se
     data_mesh = _sub(mesh, list(dict.fromkeys(list(data_dims) + list(dims))))
     _global_aux_loss(model, data_mesh.get_group(0), 1 if average else data_mesh.size())
     return model
+
+
+def _check_data_dims(mesh: object, ep: object, dims: Sequence[str], data_dims: Sequence[str]) -> None:
+    """The ep ranks must be data ranks (they keep their own tokens, whose gradients fully_shard
+    reduces), and no data dim may escape the experts' reduction (HSDP's dp_replicate is not wired)."""
+    outside = [d for d in dims if d not in data_dims]
+    if outside:
+        raise ValueError(f"parallelize_model(ep={ep!r}): {outside[0]!r} is not a data dim of this call "
+                         f"({tuple(data_dims)}: fully_shard reduces the gradients over those only); split "
+                         f"the experts over dp_shard and/or cp")
+    names = tuple(mesh.mesh_dim_names or ())
+    if "dp_replicate" in names and mesh["dp_replicate"].size() > 1:
+        raise ValueError(f"parallelize_model(ep={ep!r}) with a dp_replicate dim (HSDP) is not supported: "
+                         f"the split experts' gradients would not be reduced over the replicas; fold "
+                         f"dp_replicate into dp_shard")
 
 
 def _routers(model: object) -> List[object]:
