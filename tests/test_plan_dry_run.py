@@ -18,7 +18,7 @@ CASES_2 = [
 ]
 CASES_4 = [
     ((2, 2), ("dp_shard", "cp"), "zigzag", ("chunked_loss",), "llama"),
-    ((1, 2, 2), ("dp_shard", "cp", "tp"), "allgather", (), "qwen3"),
+    ((1, 2, 2), ("dp_shard", "cp", "tp"), "ulysses", (), "qwen3"),
     ((2, 2), ("dp_shard", "tp"), None, ("chunked_loss", "tiled_mlp"), "llama"),
 ]
 SEQ, BATCH = 256, 2

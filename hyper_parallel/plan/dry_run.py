@@ -3,11 +3,10 @@
 The step is the library's real path: ``parallelize_model`` (tensor parallel, context parallel,
 fully_shard, chunked loss), ``tiled_mlp``, Hugging Face's activation checkpointing, an AdamW step.
 Two steps run; the second is measured (the first does what happens once: cross-rank agreement
-checks, optimizer state). What cannot be known without values is assumed, at the few places that
+checks, the optimizer's state). What cannot be known without values is assumed, at the few places that
 read values on the host (``platform.is_fake``): ranks agree, labels are in range, one unpadded
 document per sequence.
 """
-import inspect
 import math
 from typing import Callable, Dict, Optional, Sequence
 
@@ -16,7 +15,7 @@ from hyper_parallel.plan.options import FEATURES, cp_kwargs, check_features
 from hyper_parallel.plan.report import DryRunReport
 from hyper_parallel.platform import get_platform, reset_platform
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "ep")
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
 
 def torch_tools():
@@ -34,16 +33,16 @@ def check_mesh(mesh_shape: Sequence[int], mesh_dim_names: Sequence[str]) -> Dict
     if len(mesh_shape) != len(mesh_dim_names):
         raise ValueError(f"dry_run: mesh_shape {tuple(mesh_shape)} and mesh_dim_names {tuple(mesh_dim_names)} "
                          f"differ in length")
-    unknown = [n for n in mesh_dim_names if n not in MESH_DIMS]
+    unknown = [n for n in mesh_dim_names if n not in MESH_DIMS + ("ep",)]
     if unknown or len(set(mesh_dim_names)) != len(mesh_dim_names):
         raise ValueError(f"dry_run: mesh dims {list(mesh_dim_names)}: each must be one of {MESH_DIMS}, once")
     if any(int(s) < 1 for s in mesh_shape):
         raise ValueError(f"dry_run: mesh_shape {tuple(mesh_shape)} has a size below 1")
     if "ep" in mesh_dim_names:
-        from hyper_parallel.integrations.transformers import parallelize_model
-        if "ep" not in inspect.signature(parallelize_model).parameters:
-            raise ValueError("dry_run: mesh dim 'ep' (expert parallelism) is not supported by parallelize_model "
-                             "yet; drop it (experts follow the tensor-parallel plan)")
+        # this library's experts split over data-parallel dims (SPEC §17): ep names them
+        raise ValueError("dry_run: expert parallelism runs over the data-parallel ranks here, not a mesh dim of "
+                         "its own: drop 'ep' from the mesh and pass ep='dp_shard' (or ep=('dp_shard', 'cp')); "
+                         "the CLI's --ep dp_shard[,cp]")
     sizes = dict(zip(mesh_dim_names, (int(s) for s in mesh_shape)))
     if "cp" not in sizes:
         # a cp dim of size 1 (no collective): attention then goes through the library's CP attention
@@ -181,21 +180,23 @@ def _step_report(tools, model, mesh, sizes, seq_len, batch, cp_mode, features, c
 
 
 def measure(step, shard_sequence, mesh, sizes, name, seq_len, batch, cp_mode, features, rank):
-    """A warm-up step, then the measured one (memory, FLOPs, collectives): fake or real alike."""
+    """The steady-state step (memory, FLOPs, collectives), fake or real alike: a warm-up step first,
+    which does what happens once (cross-rank agreement checks, the optimizer's state). Measuring the
+    first step instead is not the same: first calls compute more than the steady state does."""
     tools = torch_tools()
     step.run(shard_sequence)
     step.zero_grad()
     tracker = tools.StepTracker()
     tracker.adopt(step.parameters() + step.optimizer_state())
     with CommDebugMode() as comm:
-        step.run(shard_sequence, tracker)
+        seconds = step.run(shard_sequence, tracker)
     memory = tracker.breakdown(step.parameters(), step.gradients(), step.optimizer_state())
     step.zero_grad()
     return DryRunReport(model=name, mesh=dict(sizes), rank=rank, seq=seq_len, batch=batch, cp_mode=cp_mode,
                         features=list(features), memory_bytes=memory, peak_memory_bytes=tracker.peak_bytes,
                         flops=tracker.flops, comm=comm_by_dim(comm.log, mesh, list(sizes)),
                         memory_bound_bytes=tracker.memory_bound_bytes,
-                        ops=list(tracker.ops))
+                        ops=dict(tracker.ops), step_wall_seconds=seconds)
 
 
 __all__ = ["dry_run", "real_run", "DryRunReport", "FEATURES"]

@@ -10,8 +10,8 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "comm
 @dataclasses.dataclass
 class DryRunReport:
     """One rank role's step. ``comm`` maps a mesh dim (or ``a+b`` for a flattened pair, ``world``)
-    to ``{"collectives", "bytes_sent", "bytes_received", "ops": {op: [count, bytes]}}``; ``ops``
-    holds (FLOPs, bytes read+written) of each op with a FLOP formula, for the roofline."""
+    to ``{"collectives", "bytes_sent", "bytes_received", "ops": {op: [count, bytes]}}``; ``ops`` counts
+    the ops with a FLOP formula by (FLOPs, bytes read+written), for the roofline."""
     model: str
     mesh: Dict[str, int]
     rank: int
@@ -26,8 +26,9 @@ class DryRunReport:
     wall_seconds: float = 0.0
     layers: Optional[Tuple[int, int]] = None       # (layers run, layers of the model) when scaled
     memory_bound_bytes: int = 0
-    ops: List[Tuple[int, int]] = dataclasses.field(default_factory=list, repr=False)
+    ops: Dict[Tuple[int, int], float] = dataclasses.field(default_factory=dict, repr=False)
     prediction: Optional[dict] = None
+    step_wall_seconds: float = 0.0     # the measured step's wall time here (meaningful for a real run)
 
     @property
     def world_size(self) -> int:

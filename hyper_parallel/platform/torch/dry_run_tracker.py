@@ -14,6 +14,7 @@ buffers (storages a collective read or wrote), activations (made in forward) and
 rest). FLOPs use PyTorch's FlopCounterMode formulas, plus the CPU flash-attention kernels it lacks
 (causal attention counted as half the score matrix, as the kernels skip the masked blocks).
 """
+import collections
 import weakref
 
 import torch
@@ -56,7 +57,7 @@ def _plain(tensor):
 
 class StepTracker(TorchDispatchMode):
     """``with tracker: ...``; set ``tracker.phase`` ("forward", "backward", "optimizer") around the
-    parts of the step; read ``peak_bytes``, ``breakdown(...)``, ``flops`` and ``ops`` afterwards."""
+    parts of the step; read ``peak_bytes``, ``breakdown(...)``, ``flops``, ``ops`` afterwards."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -66,7 +67,7 @@ class StepTracker(TorchDispatchMode):
         self.peak_bytes = 0
         self._peak = []        # [(weakref, bytes, phase, comm)] at the peak
         self.flops = 0
-        self.ops = []          # [(flops, bytes touched)] of the ops with a FLOP formula
+        self.ops = collections.Counter()   # (flops, bytes touched) -> count, of ops with a FLOP formula
         self.memory_bound_bytes = 0
 
     def adopt(self, tensors, phase: str = "setup") -> None:
@@ -134,7 +135,7 @@ class StepTracker(TorchDispatchMode):
             t.numel() * t.element_size() for t in outputs if id(t.untyped_storage()) not in input_ids)
         if flops:
             self.flops += int(flops)
-            self.ops.append((int(flops), moved))
+            self.ops[(int(flops), moved)] += 1
         else:
             self.memory_bound_bytes += moved
 

@@ -1,0 +1,124 @@
+"""The planner's command line and search on a tiny Llama config.json (dry runs in this process): the
+SPEC §16 JSON fields, the ranking, 'does not fit', the layer scaling against a whole-model dry run,
+and the clear error on MindSpore."""
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+CONFIG = dict(model_type="llama", hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=512, head_dim=16, max_position_embeddings=1024)
+CANDIDATE_KEYS = {"mesh", "cp_mode", "features", "peak_memory_bytes", "fits", "step_seconds",
+                  "tokens_per_second_per_device", "mfu"}
+
+
+def _cli(*argv):
+    from hyper_parallel.plan.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    return str(path)
+
+
+def test_search_json_ranks_the_candidates(config_path):
+    code, out, err = _cli("search", "--model", config_path, "--seq", 256, "--gpus", 4, "--device", "h100", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert set(result) == {"model", "seq", "gpus", "device", "best", "candidates"}
+    assert (result["seq"], result["gpus"], result["device"]) == (256, 4, "h100")
+    candidates = result["candidates"]
+    assert all(set(c) == CANDIDATE_KEYS for c in candidates)
+    meshes = {(c["mesh"]["dp_shard"], c["mesh"]["cp"], c["mesh"]["tp"], c["cp_mode"]) for c in candidates}
+    # every dp_shard x cp x tp of 4 ranks, three CP modes where cp > 1; tp=4 is refused (2 K/V heads)
+    assert meshes == {(4, 1, 1, None), (2, 1, 2, None)} | {
+        (dp, cp, tp, m) for dp, cp, tp in ((2, 2, 1), (1, 4, 1), (1, 2, 2)) for m in ("ulysses", "allgather_lb",
+                                                                                    "zigzag")}
+    assert all(c["fits"] for c in candidates) and candidates[0] == result["best"]
+    times = [c["step_seconds"] for c in candidates]
+    assert times == sorted(times) and all(t > 0 for t in times)
+    assert "#" in err and "refused {'dp_shard': 1, 'cp': 1, 'tp': 4}" in err   # progress bar, refusal
+
+
+def test_search_nothing_fits(config_path):
+    code, out, err = _cli("search", "--model", config_path, "--seq", 256, "--gpus", 1, "--device", "a100",
+                          "--memory-gib", 0.0001, "--json")
+    result = json.loads(out)
+    assert result["best"] is None and result["candidates"]
+    assert not any(c["fits"] for c in result["candidates"])
+    # the feature ladder was climbed to its last rung before giving up
+    assert all(c["features"] == ["chunked_loss", "checkpoint", "tiled_mlp"] for c in result["candidates"])
+    code, out, err = _cli("search", "--model", config_path, "--seq", 256, "--gpus", 1, "--device", "a100",
+                          "--memory-gib", 0.0001)
+    assert "nothing fits" in out
+
+
+def test_dry_run_json_and_layer_scaling(config_path):
+    """A 6-layer model dry-run whole and scaled from 1 and 2 layers: FLOPs and bytes equal exactly."""
+    with open(config_path) as f:
+        six = dict(json.load(f), num_hidden_layers=6)
+    path = os.path.join(os.path.dirname(config_path), "six.json")
+    with open(path, "w") as f:
+        json.dump(six, f)
+    args = ["dry-run", "--model", path, "--seq", 256, "--mesh", "dp_shard=2,cp=2", "--cp-mode", "zigzag",
+            "--rank", 3, "--json", "--device", "h100"]
+    code, out, err = _cli(*args)
+    assert code == 0, err
+    whole = json.loads(out)
+    assert set(whole["memory_bytes"]) == {"parameters", "gradients", "optimizer_state", "activations",
+                                          "communication_buffers", "temporaries"}
+    assert sum(whole["memory_bytes"].values()) == whole["peak_memory_bytes"]
+    assert set(whole["comm"]) == {"cp", "dp_shard+cp"} and whole["prediction"]["fits"]
+    code, out, err = _cli(*args, "--layers", 1)
+    scaled = json.loads(out)
+    assert (scaled["layers_run"], scaled["layers"]) == (1, 6)
+    assert scaled["flops"] == whole["flops"] and scaled["comm"] == whole["comm"]
+    assert abs(scaled["peak_memory_bytes"] - whole["peak_memory_bytes"]) <= 0.02 * whole["peak_memory_bytes"]
+
+
+def test_bad_arguments_are_named(config_path):
+    code, _, err = _cli("dry-run", "--model", "no-such-model", "--seq", 256, "--mesh", "cp=2")
+    assert code == 2 and "no-such-model" in err and "llama3.1-8b" in err
+    code, _, err = _cli("dry-run", "--model", config_path, "--seq", 256, "--mesh", "dp_shard=2,xp=2")
+    assert code == 2 and "'xp'" not in err and "xp" in err
+    code, _, err = _cli("dry-run", "--model", config_path, "--seq", 255, "--mesh", "cp=2")
+    assert code == 2 and "seq_len 255" in err
+
+
+def test_builtin_models_build():
+    """Every built-in name is a config transformers accepts, with the published sizes."""
+    from hyper_parallel.plan.models import BUILTIN, load_config
+    sizes = {}
+    for name in BUILTIN:
+        config, _ = load_config(name)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        sizes[name] = (text.hidden_size, text.num_hidden_layers)
+    assert sizes["llama3.1-8b"] == (4096, 32) and sizes["llama3.1-70b"] == (8192, 80)
+    assert sizes["llama3.1-405b"] == (16384, 126) and sizes["deepseek-v3"] == (7168, 61)
+
+
+def test_mindspore_is_refused():
+    python = os.environ.get("HP_MINDSPORE_PYTHON", "/work/main/.venv-ms/bin/python")
+    if not os.path.exists(python):
+        pytest.skip("no MindSpore environment")
+    code = ("from hyper_parallel.plan.dry_run import torch_tools\n"
+            "try:\n    torch_tools()\nexcept RuntimeError as e:\n    print(e)\n")
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, HP_PLATFORM="mindspore"), cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert "HP_PLATFORM=mindspore has no fake tensors" in out.stdout, out.stderr[-2000:]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
