@@ -12,10 +12,15 @@ sees only a DTensor's empty placeholder. Left alone, each entry point failed its
 * ``capture_mode="bytecode"`` compiled the ops it could and gave the same wrong values as "ast".
 
 So the arguments, the Cell and the function's closure are inspected *before* MindSpore starts:
-``_JitExecutor.compile`` (ast), ``Cell.compile`` (GRAPH_MODE), ``_jit_trace_begin`` (trace) and
-``PreJit`` (bytecode) -- call-time points that also catch functions decorated before the platform
-existed. What is still only found while parsing (a parallelized Cell reached through attributes) is
-turned into the same error by ``_rephrased``.
+``_JitExecutor.compile`` (ast), ``Cell.compile`` and the Cell graph executor (GRAPH_MODE, ms.export),
+``_jit_trace_begin`` (trace) and ``PreJit`` (bytecode) -- call-time points that also catch functions
+decorated before the platform existed. Every other path (a default argument, a global behind a
+helper, an attribute of any object, a container at any depth...) is caught *after* compiling: the
+DTensor class counts each time a compiler converts one (placeholder_guard.py), and a graph that
+converted one is refused, also when MindSpore serves it from its cache later (``_REFUSED``; bytecode:
+when PIJit's context exits, by the function's code object). Trace converts nothing: the DTensor's
+first operator refuses while the trace records. A parse error raised inside hyper_parallel's code (a
+parallelized Cell in a plain list attribute) is turned into the same error by ``_rephrased``.
 
 ``ms.vjp`` is checked here too (``_checked_vjp_forward``): it seeds backward with a cotangent of the
 output's shape, and a non-scalar DTensor output's placeholder is empty, so MindSpore failed deep
