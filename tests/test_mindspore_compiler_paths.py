@@ -42,3 +42,12 @@ def test_every_path_into_a_compiled_graph_computes_right_or_refuses():
     dtensor = {case: o for case, o in table.items() if not case.startswith("plain |")}
     computed = {case for case, o in dtensor.items() if o != ["refused", "refused"]}
     assert computed == COMPUTED, computed
+
+
+def test_grad_and_fullgraph_compute_right_or_refuse():
+    """ms.grad around and inside ms.jit, GRAPH_MODE grad / value_and_grad, bytecode fullgraph=True."""
+    tables = run_ms(2, cases.grad_and_fullgraph, timeout=300)
+    assert tables[0] == tables[1], "the ranks disagree"
+    for case, outcome in tables[0].items():
+        assert outcome == ["right", "right"] if case.startswith("plain |") else \
+            all(o in ("right", "refused") for o in outcome), (case, outcome)

@@ -50,6 +50,29 @@ class _Plain:
         return (x * self.t).sum()
 
 
+def grad_and_fullgraph(rank, world_size):
+    """ms.grad around / inside ms.jit, GRAPH_MODE grad and value_and_grad of a Cell, bytecode with
+    fullgraph=True, a DTensor read from a module global or a list attribute: {case: outcome}."""
+    import mindspore as ms
+    from hyper_parallel import init_device_mesh
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    w, x = inp("paths_w", 0, (ROWS, COLS)), ms.Tensor(inp("paths_x", 0, (ROWS, COLS)))
+    want = np.float64((x.asnumpy().astype(np.float64) * w).sum())
+    out = {}
+    for kind, t in [("plain", ms.Tensor(w))] + list(_kinds(ms, mesh, w).items()):
+        cell, (reads_global, _) = cell_paths(t)["list attribute"], function_paths(t)["module_global"]
+        graph = functools.partial(_compiled, ms, mode="graph")
+        calls = {"grad(jit(f))": (lambda: ms.grad(ms.jit(reads_global))(x), w),
+                 "jit(grad(f))": (lambda: ms.jit(ms.grad(reads_global))(x), w),
+                 "GRAPH_MODE grad(cell)": (lambda: graph(ms.grad(cell))(x), w),
+                 "GRAPH_MODE value_and_grad(cell)": (lambda: graph(ms.value_and_grad(cell))(x)[0], want),
+                 "bytecode fullgraph": (lambda: ms.jit(reads_global, capture_mode="bytecode",
+                                                       fullgraph=True)(x), want)}
+        for name, (call, expected) in calls.items():
+            out[f"{kind} | {name}"] = [_outcome(call, expected) for _ in "12"]
+    return out
+
+
 def function_paths(t):
     """name -> (function, extra call arguments): each reads ``t`` by one path and returns sum(x * t)."""
     global G_T

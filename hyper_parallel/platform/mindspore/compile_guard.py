@@ -230,9 +230,12 @@ def _bytecode_exit(exit_):
     def exit_checked(self, exc_type, exc_val, exc_tb):
         result = exit_(self, exc_type, exc_val, exc_tb)
         before = self.__dict__.pop("_hp_token", None)
+        seen = placeholder_guard.sighted_since(before) if before is not None else None
+        if seen and exc_type is not None:   # e.g. fullgraph=True: "Unsupported: Cannot infer ..."
+            _REFUSED[("bytecode", getattr(self.fn, "__code__", None))] = seen
+            raise RuntimeError(_sighted(BYTECODE, seen)) from exc_val
         if before is not None and exc_type is None:
-            key = ("bytecode", getattr(self.fn, "__code__", None))
-            _refuse_graph(BYTECODE, key, placeholder_guard.sighted_since(before))
+            _refuse_graph(BYTECODE, ("bytecode", getattr(self.fn, "__code__", None)), seen)
         return result
     exit_checked._hp_rephrased = True
     return exit_checked
