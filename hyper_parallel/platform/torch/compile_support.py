@@ -80,6 +80,7 @@ class CompiledParallelModule:
         self.forward = forward
         self.compile_kwargs = compile_kwargs
         self.compiled: Dict[Any, Callable] = {}
+        self._last = None
 
     def _state(self):
         return dict(self.module.named_parameters(remove_duplicate=False)), \
@@ -102,7 +103,9 @@ class CompiledParallelModule:
         return entry, flat_in
 
     def __call__(self, *args, **kwargs):
-        (signature, _, fn), flat_in = self._prepare(args, kwargs)
+        entry, flat_in = self._prepare(args, kwargs)
+        signature, _, fn = entry
+        self._last = (entry[1], [(x.shape, x.dtype, x.requires_grad) for x in flat_in])
         flat_out = fn(*flat_in)
         outs = list(signature.out_constants)
         slots = [i for i, c in enumerate(outs) if c is _TENSOR]
@@ -111,8 +114,14 @@ class CompiledParallelModule:
         return tree_unflatten(outs, signature.out_spec)
 
     def explain(self, *args, **kwargs):
-        """``torch._dynamo.explain`` of the region this call compiles to (graphs, graph breaks)."""
-        (_, region, _), flat_in = self._prepare(args, kwargs)
+        """``torch._dynamo.explain`` of the region this call compiles to (graphs, graph breaks);
+        without arguments, of the last call's region, on zeros of its inputs' shapes (the call's own
+        tensors may be gone: fully_shard frees unsharded parameters after forward)."""
+        if args or kwargs:
+            (_, region, _), flat_in = self._prepare(args, kwargs)
+        else:
+            region, meta = self._last
+            flat_in = [torch.zeros(shape, dtype=dtype).requires_grad_(grad) for shape, dtype, grad in meta]
         return torch._dynamo.explain(region)(*flat_in)
 
     def _build(self, signature: _Signature):
