@@ -16,25 +16,25 @@ class Schedule:
         self._post = []
         self.backward_order = []
         self.pending_final = False           # the end-of-backward callback is queued
-        self.in_forward = False              # the root's forward is running
+        self._calls = {}                     # unit -> forward calls since the root's forward began
 
     def begin_forward(self):
         self._pre, self._post = [], []
-        self.in_forward = True
+        self._calls = {}
 
     def calls_of(self, state):
-        """How many times ``state`` started its forward since the root's last began."""
-        return sum(s is state for s in self._pre)
+        """How many times ``state`` started its forward since the root's last began (this call too)."""
+        return self._calls.get(state, 0)
 
     def record_pre_forward(self, state):
         self._pre.append(state)
+        self._calls[state] = self._calls.get(state, 0) + 1
 
     def record_post_forward(self, state):
         self._post.append(state)
         self.backward_order = list(reversed(self._post))
 
     def end_forward(self):
-        self.in_forward = False
         if self._pre:
             self.forward_order = list(self._pre)
 

@@ -10,6 +10,8 @@ an MoE expert a rank routed nothing to), and the ranks' reduce-scatters must mee
 without them is reduced at the end of backward. The root (the outermost unit that runs)
 initialises everything lazily on its first forward (after ``to_empty``) and, at the end of every
 backward, launches what is left, waits for the reductions and hands out the sharded gradients.
+Its forward first re-reads what the user may have changed since wrapping (wrap_state.py), and
+every unit's forward checks that the ranks run the same unit and call.
 """
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.dtensor.dispatch.tree import tree_flatten
@@ -85,8 +87,6 @@ class FSDPState:
         if self.is_root:
             self._sync_wrap_state()
             self.schedule.begin_forward()
-        elif not self.schedule.in_forward:
-            self._standalone_forward()
         self.schedule.record_pre_forward(self)
         wrap_state.agree_call(self.group.mesh_info.mesh, self, self.schedule.calls_of(self))
         self.group.wait_for_unshard()
@@ -111,9 +111,6 @@ class FSDPState:
                 f"are not gathered: it was called outside that unit's forward (e.g. model.inp(x) instead "
                 f"of model(x)). Call the module fully_shard was applied to, or gather its parameters "
                 f"around the call: unit.unshard() before, unit.reshard() after")
-
-    def _standalone_forward(self):
-        """A unit called without its root running (model.blocks[0](h)): nothing to do yet."""
 
     def _post_forward(self, module, args, kwargs, output):
         self.schedule.record_post_forward(self)
