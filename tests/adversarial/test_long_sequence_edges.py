@@ -88,7 +88,7 @@ def _tiled_tp_sp_table(rank, world_size, table):
 
 def test_tiled_mlp_under_tp_sequence_parallel_equals_one_process():
     # tiles that split evenly over the ranks and tiles that do not; the stream local and as DTensors
-    table = [(2, 8, True), (5, 12, True), (3, 12, False)]
+    table = [(2, 8, True), (5, 12, True), (3, 12, False), (5, 12, False)]
     assert run_dist(2, _tiled_tp_sp_table, table) == [True] * 2
 
 
