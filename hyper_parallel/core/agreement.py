@@ -41,7 +41,7 @@ Caches live in ``BoundedCache`` (emptied at ``reset_platform``); callers build s
 import math
 import zlib
 from collections.abc import Hashable, Mapping
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -51,7 +51,6 @@ from hyper_parallel.core.dtensor.rank_check import check_every, dtype_name, mesh
 from hyper_parallel.platform import get_platform
 
 MAX_FIELDS = 24
-_HEADER = ("feature", "setting names", "number of settings")
 _MASK = (1 << 31) - 1
 
 
@@ -71,17 +70,17 @@ def _is_tensor(value: object) -> bool:
     return hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, np.generic)
 
 
-def _canonical(value: object) -> str:
+def _canonical(value: Any) -> str:
     """A text equal on two ranks exactly when the values are the same setting: 2 == 2.0 (numbers
     by value), True is not 1, NaN equals NaN, a tensor is its dtype and shape."""
     if value is None or isinstance(value, (bool, np.bool_)):
         return f"b:{value}"
     if isinstance(value, (int, np.integer)):
-        v = int(value)
-        return f"n:{float(v)!r}" if abs(v) < (1 << 53) else f"i:{v}"
+        whole = int(value)
+        return f"n:{float(whole)!r}" if abs(whole) < (1 << 53) else f"i:{whole}"
     if isinstance(value, (float, np.floating)):
-        v = float(value)
-        return "n:nan" if math.isnan(v) else f"n:{v!r}"
+        real = float(value)
+        return "n:nan" if math.isnan(real) else f"n:{real!r}"
     if isinstance(value, str):
         return f"s:{value}"
     if isinstance(value, (tuple, list)):
@@ -97,7 +96,7 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode()) & _MASK
 
 
-def _field(value: object) -> tuple:
+def _field(value: Any) -> tuple:
     """(crc, shown text) of one setting; never raises (a rank that raised here would leave its
     peers in the exchange)."""
     try:
@@ -111,7 +110,7 @@ def _field(value: object) -> tuple:
     return _crc(text), shown
 
 
-def _host_array(tensor: object) -> np.ndarray:
+def _host_array(tensor: Any) -> np.ndarray:
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
     if hasattr(local, "asnumpy"):           # MindSpore
         try:
@@ -125,7 +124,7 @@ def _host_array(tensor: object) -> np.ndarray:
         return local.float().numpy()
 
 
-def tensor_digest(tensor: object) -> Optional[str]:
+def tensor_digest(tensor: Any) -> Optional[str]:
     """A text equal on ranks holding equal tensors (dtype, shape and bytes; NaNs made canonical);
     None for None. Reads the tensor to the host: only use inside ``Deferred``."""
     if tensor is None:
@@ -166,19 +165,19 @@ def _key_fields(settings: Mapping) -> tuple:
 _VERIFIED = BoundedCache(4096)
 
 
-def _group_key(mesh_or_group: object) -> Hashable:
+def _group_key(mesh_or_group: Any) -> Hashable:
     if hasattr(mesh_or_group, "get_group"):
         return ("mesh", mesh_or_group)
     return ("group", mesh_or_group)
 
 
-def _peers(mesh_or_group: object) -> int:
+def _peers(mesh_or_group: Any) -> int:
     if hasattr(mesh_or_group, "get_group"):
         return 0 if mesh_or_group.get_coordinate() is None else mesh_or_group.size()
     return get_platform().get_world_size(mesh_or_group)
 
 
-def _min_max(mesh_or_group: object, vector: list) -> tuple:
+def _min_max(mesh_or_group: Any, vector: list) -> tuple:
     if hasattr(mesh_or_group, "get_group"):
         device = mesh_or_group.device_type
         device = None if device in (None, "cpu", "meta") else device
@@ -186,14 +185,14 @@ def _min_max(mesh_or_group: object, vector: list) -> tuple:
     platform = get_platform()
     both = platform.tensor([int(v) for v in vector] + [-int(v) for v in vector])
     both = platform.all_reduce(both, mesh_or_group, "min", tag="shape_check")
-    if platform.is_fake(both):   # a dry run (hyper_parallel.plan): one rank on fake tensors, agreement assumed
+    if platform.is_fake(both):   # a dry run (hyper_parallel.plan): one rank on fake tensors, agreed
         return [int(v) for v in vector], [int(v) for v in vector]
     both = [int(v) for v in both.tolist()]
     n = len(vector)
     return both[:n], [-v for v in both[n:]]
 
 
-def check_agreement(mesh_or_group: object, feature: str, settings: Mapping[str, object], *,
+def check_agreement(mesh_or_group: Any, feature: str, settings: Mapping[str, object], *,
                     signature: Optional[Hashable] = None, fix: Optional[str] = None) -> None:
     """ValueError on every rank of ``mesh_or_group`` (a DeviceMesh or a process group) unless
     every rank passes the same ``settings`` for ``feature``. Exchanges one small fixed-length
@@ -215,7 +214,7 @@ def check_agreement(mesh_or_group: object, feature: str, settings: Mapping[str, 
     raise ValueError(_message(mesh_or_group, feature, names, shown, mins, maxs, fix))
 
 
-def _message(mesh_or_group: object, feature: str, names: list, shown: list, mins: list, maxs: list,
+def _message(mesh_or_group: Any, feature: str, names: list, shown: list, mins: list, maxs: list,
              fix: Optional[str]) -> str:
     rank = get_platform().get_rank()
     where = mesh_or_group if hasattr(mesh_or_group, "get_group") else \

@@ -18,15 +18,16 @@ re-checked even in that mode (its settings were compared when the decision was m
 """
 import contextlib
 import contextvars
-from typing import Iterator
+from typing import Any, Iterator, Optional
 
-_CALL = contextvars.ContextVar("hp_agreement_attention_call", default=None)
+_CALL: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar(
+    "hp_agreement_attention_call", default=None)
 _FIX = ("call the attention with the same arguments on every rank (is_causal, scale, dropout_p, attn_mask, "
         "softcap, window, sinks)")
 
 
 @contextlib.contextmanager
-def attention_call(mesh: object, label: str) -> Iterator[None]:
+def attention_call(mesh: Any, label: str) -> Iterator[None]:
     """Mark a ContextParallel call on ``mesh`` (its working mesh) for the attention kernel inside."""
     token = _CALL.set((mesh, label))
     try:
@@ -35,7 +36,7 @@ def attention_call(mesh: object, label: str) -> Iterator[None]:
         _CALL.reset(token)
 
 
-def _sdpa_settings(call: object) -> dict:
+def _sdpa_settings(call: Any) -> dict:
     from hyper_parallel.core.agreement import Deferred, tensor_digest
     mask = call.arg(3, "attn_mask")
     return {"is_causal": bool(call.arg(5, "is_causal", False)), "scale": call.arg(6, "scale"),
@@ -53,7 +54,7 @@ def _check(settings: dict) -> None:
         check_agreement(mesh, f"{label}: the attention call", settings, signature="attention", fix=_FIX)
 
 
-def agree_on_attention(call: object) -> None:
+def agree_on_attention(call: Any) -> None:
     """At an ``sdpa`` op inside a ContextParallel call: ValueError on every rank of its mesh unless
     every rank calls it with the same settings (a no-op elsewhere; ``hyper_parallel.attention``
     checks its own arguments with ``agree_on_variant`` before validating them)."""

@@ -17,7 +17,8 @@ def test_agreement_schedule(framework, world_size):
     assert run_on(framework, world_size, neutral.schedule, timeout=120) == [True] * world_size
 
 
-@pytest.mark.parametrize("framework,world_size", framework_worlds(2, 4, mindspore=(2,)))
+@pytest.mark.parametrize("framework,world_size", framework_worlds(2, mindspore=(2,)) + [
+    pytest.param("torch", 4, id="torch-4", marks=pytest.mark.agreement_full)])
 def test_linear_attention_disagreements(framework, world_size):
     assert run_on(framework, world_size, neutral.linear_attention, timeout=120) == [True] * world_size
 
