@@ -52,9 +52,10 @@ def data_ranks(args):
 
 
 def parser(doc, *, width_flag="--dim", cp=False, tp_help="tensor-parallel ranks", extra=(), checkpoint=False,
-           dp_shard=False, **defaults):
+           dp_shard=False, compile=False, **defaults):
     """The examples' flags. ``width_flag`` names the model-width flag; ``cp`` adds --cp and --mode;
     ``dp_shard`` adds --dp-shard (fully_shard's ranks; see train_parallel);
+    ``compile`` adds --compile [BACKEND] (each decoder layer compiled, docs/compile.md);
     ``extra`` is (flag, add_argument keywords) pairs of an example's own model flags; ``checkpoint``
     adds --save, --resume and --json (torch examples: see save_checkpoint / load_checkpoint);
     ``defaults`` overrides a flag's default (dp, tp, seq, width, vocab, lr)."""
@@ -81,6 +82,10 @@ def parser(doc, *, width_flag="--dim", cp=False, tp_help="tensor-parallel ranks"
     p.add_argument("--vocab", type=int, default=d["vocab"])
     p.add_argument("--lr", type=float, default=d["lr"])
     p.add_argument("--check", action="store_true", help="compare with the same training in one process")
+    if compile:
+        p.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
+                       help="torch.compile each decoder layer after parallelizing it (default backend "
+                       "inductor; aot_eager traces the same graphs without generating code)")
     if checkpoint:
         p.add_argument("--save", metavar="DIR", help="after the last step, save model and optimizer (DCP)")
         p.add_argument("--resume", metavar="DIR", help="load a --save checkpoint (any layout), then train "
@@ -157,7 +162,9 @@ def train_parallel(args, example):
     names = ("dp", "cp", "tp") if shard == 1 else ("dp_replicate", "dp_shard", "cp", "tp")
     sizes = (args.dp, args.cp, args.tp) if shard == 1 else (args.dp, shard, args.cp, args.tp)
     mesh = init_device_mesh(platform.device_type, sizes, mesh_dim_names=names)
-    model = example.parallelize(example.build_model(args), mesh, args.mode)
+    backend = getattr(args, "compile", None)   # --compile: parallelize_model(compile=...)
+    model = example.parallelize(example.build_model(args), mesh, args.mode,
+                                **({"compile": {"backend": backend}} if backend else {}))
     replicas = mesh[names[:-1]].flatten()  # ranks that see different tokens for the same parameters
     if shard == 1:
         data_parallel(model, replicas, average=False)

@@ -2,6 +2,7 @@
 
     python examples/train_llama_hf.py --cp 2 --tp 2 --mode ulysses --steps 5 --check
     python examples/train_llama_hf.py --dp-shard 2 --cp 1 --tp 2 --check     # ZeRO-3 × TP
+    python examples/train_llama_hf.py --cp 1 --tp 2 --compile --check       # each layer torch.compiled
     torchrun --nproc_per_node 4 examples/train_llama_hf.py --cp 2 --tp 2     # or under a launcher
 
 Without a launcher it spawns dp × cp × tp local ranks (gloo). Every step prints the global loss;
@@ -28,7 +29,7 @@ except ImportError:   # loaded by its path (a test): the examples folder is not 
 
 def parse_args(argv=None):
     return _common.parser(__doc__, width_flag="--hidden", cp=True, checkpoint=True,
-                          dp_shard=True).parse_args(argv)
+                          dp_shard=True, compile=True).parse_args(argv)
 
 
 def build_model(args):
@@ -41,11 +42,12 @@ def build_model(args):
     return LlamaForCausalLM(config)
 
 
-def parallelize(model, mesh, mode):
+def parallelize(model, mesh, mode, compile=False):
     from hyper_parallel.integrations.transformers import parallelize_model
     # the loss is normalised by the global token count: fully_shard sums the gradients
     sharded = "dp_shard" in mesh.mesh_dim_names
-    return parallelize_model(model, mesh, **({"average": False} if sharded else {}), **_common.CP_MODES[mode])
+    return parallelize_model(model, mesh, **({"average": False} if sharded else {}), **_common.CP_MODES[mode],
+                             compile=compile)
 
 
 def forward(model, ids, positions):

@@ -171,6 +171,7 @@ def _direct_case(rank, world):
     return len(graphs)
 
 
+@pytest.mark.compile_full
 def test_direct_torch_compile_is_correct_with_breaks():
     graphs = run_dist(2, _direct_case, timeout=600)
     assert graphs[0] == graphs[1] > 1, graphs   # pieces of plain-tensor code between DTensor calls
@@ -322,6 +323,19 @@ def _sharded_case(rank, world):
     return results
 
 
+@pytest.mark.compile_full
 def test_fully_shard_and_data_parallel_with_compiled_blocks():
     results = run_dist(2, _sharded_case, timeout=600)
     assert results[0] == {"fully_shard": (1, 0), "data_parallel": (1, 0)}, results[0]
+
+
+# ============================================================================ the example
+@pytest.mark.compile_full
+def test_example_compile_matches_one_process():
+    """examples/train_llama_hf.py --compile: parallelize_model(compile=...) under TP, then fully_shard
+    x TP; every step's loss equals one process (--check)."""
+    pytest.importorskip("transformers")
+    from tests.test_fully_shard_examples import TINY, _assert_checked, _run
+    _assert_checked(_run("train_llama_hf.py", "--cp", "1", "--tp", "2", "--compile", "aot_eager", *TINY))
+    _assert_checked(_run("train_llama_hf.py", "--cp", "1", "--tp", "2", "--dp-shard", "2", "--compile",
+                         "aot_eager", *TINY))
