@@ -188,6 +188,12 @@ class Platform(TrainingLoopContract, SplitCollectivesContract, LinearAlgebraCont
         hyper_parallel.plan): a host read of it cannot happen. Frameworks without fake tensors: False."""
         return False
 
+    def compile_module(self, module, **compile_kwargs):
+        """Compile ``module`` in place, its DTensor dispatch and collectives inside one graph
+        (torch: compile_support.py, docs/compile.md). Frameworks without such a compiler refuse."""
+        raise ValueError(f"compile=True: the {self.name} platform has no compiler path for parallelized "
+                         f"modules (docs/compile.md); leave compile off")
+
     @abc.abstractmethod
     def manual_seed(self, seed):
         """Seed the framework's random generator."""

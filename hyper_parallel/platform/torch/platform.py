@@ -74,6 +74,12 @@ class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, TorchComputeState, Pl
             return self._device_module().max_memory_allocated()
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
+    @staticmethod
+    def compile_module(module, **compile_kwargs):
+        """torch.compile of a parallelized module, DTensor dispatch traced inside (compile_support.py)."""
+        from hyper_parallel.platform.torch.compile_support import compile_module
+        return compile_module(module, **compile_kwargs)
+
     def is_fake(self, tensor):
         """A FakeTensor (or a subclass wrapping one): shapes without values (hyper_parallel.plan)."""
         from torch._subclasses.fake_tensor import is_fake
