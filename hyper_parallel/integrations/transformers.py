@@ -11,6 +11,7 @@ parallel ranks (``mesh["dp", "cp"].flatten()``): see docs/training.md.
 """
 from hyper_parallel.integrations.hf_chunked_loss import apply_chunked_loss, check_loss_option
 from hyper_parallel.integrations.hf_context_parallel import apply_context_parallel, prepare_context_parallel
+from hyper_parallel.integrations.hf_compile import compile_decoder_layers
 from hyper_parallel.integrations.hf_expert_parallel import apply_expert_parallel, check_expert_parallel
 from hyper_parallel.integrations.hf_fully_shard import warn_unreduced_dims
 from hyper_parallel.integrations.hf_linear_attention import make_linear_attention_exact
@@ -35,7 +36,7 @@ def _sub_mesh(mesh, name, role):
 
 
 def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shard", average=True, loss=None,
-                      cp_mode=None, ep=None, **context_parallel_kwargs):
+                      cp_mode=None, ep=None, compile=False, **context_parallel_kwargs):
     """Tensor parallelism on mesh dim ``tp`` (the model's ``base_model_tp_plan``) and context-parallel
     attention on mesh dim ``cp`` (``context_parallel_kwargs`` go to ``ContextParallel``, e.g.
     ``ulysses_degree=1``, ``load_balance=True``, ``kv_exchange="ring"``; ``linear_attention="allgather"``
@@ -46,7 +47,9 @@ def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shar
     ranks, or summing them with ``average=False`` (a loss normalised by the global token count).
     ``loss="chunked"``: given labels, the forward returns the loss without computing logits
     (hf_chunked_loss.py; under CP pass ``shift_labels=`` and ``num_items_in_batch=``). ``cp_mode="auto"``:
-    ContextParallel chooses the mode per shape (``mode="auto"``, docs/context_parallel.md). Returns the model."""
+    ContextParallel chooses the mode per shape (``mode="auto"``, docs/context_parallel.md). ``compile=True``
+    (or a dict of torch.compile arguments) compiles each decoder layer after parallelizing it
+    (hf_compile.py, docs/compile.md). Returns the model."""
     if getattr(model, "_hp_parallelized", False):
         raise ValueError("parallelize_model was already applied to this model")
     check_loss_option(loss)
@@ -90,6 +93,8 @@ def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shar
         apply_fully_shard(model, device_mesh, dp_shard, cp if cp_mesh is not None else None, average)
     if loss == "chunked":
         apply_chunked_loss(model, context_parallel=cp_mesh is not None)
+    if compile:   # each decoder layer compiled, its collectives inside (hf_compile.py, docs/compile.md)
+        compile_decoder_layers(model, compile)
     # a dim whose gradients no wrapper reduces (dp without data_parallel) warns at the first forward
     reduced = {tp, *ep_dims} | ({dp_shard, cp, "dp_replicate"} if fsdp else set())
     warn_unreduced_dims(model, device_mesh, reduced)
