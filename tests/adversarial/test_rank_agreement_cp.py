@@ -201,6 +201,14 @@ def _cases(rank, world_size, which, tmp=None):
             q, k, v = _blocks(torch, world_size, rank, n)
             messages[name] = _expect(lambda: cell(q, k, v), fragment, name)
             _in_step(torch, mesh, name)
+        # the split-phase call (start_attention ... finish) reaches the same check
+        from hyper_parallel import start_attention
+        cell = _Attention({"is_causal": not odd})
+        ContextParallel().apply(cell, mesh)
+        q, k, v = _blocks(torch, world_size, rank, S * 60)
+        messages["start_attention"] = _expect(lambda: start_attention(cell, q, k, v).finish(), "is_causal",
+                                              "start_attention")
+        _in_step(torch, mesh, "start_attention")
     return messages
 
 

@@ -244,7 +244,7 @@ def run_attention(style, cp_mesh, qkv, call):
 
 def run_prepared(style, inputs, ulysses_dims, gather_dims, masks, call):
     """The call in its mode, from ``prepare``'s checked inputs: the caller's output."""
-    call = _agreeing(inputs.mesh, call)
+    call = agreeing(inputs.mesh, call)
     if masks is not None and not (style.kv_exchange == "ring" and gather_dims):
         call = with_masks(masks, call)
     if style.kv_exchange == "ring" and gather_dims:
@@ -264,12 +264,12 @@ def run_prepared(style, inputs, ulysses_dims, gather_dims, masks, call):
     return deliver(style, inputs, *to_caller(out, inputs, ulysses_dims))
 
 
-def _agreeing(mesh, call):
+def agreeing(mesh, call):
     """``call`` with its attention kernel told to compare its settings across ``mesh``'s ranks."""
-    def agreeing(*args, **kwargs):
+    def agreed(*args, **kwargs):
         with attention_call(mesh, "ContextParallel"):
             return call(*args, **kwargs)
-    return agreeing
+    return agreed
 
 
 def _promising(style, inputs, ulysses_dims, gather_dims, call):
