@@ -81,7 +81,8 @@ def _plan(sp):
     from hyper_parallel.core.dtensor import Replicate, Shard
     seq = Shard(1) if sp else Replicate()
     plan = {"*.attention.[qkv]": ColwiseParallel(), "*.attention.o": RowwiseParallel(output_layouts=seq),
-            "*.feed_forward.w[13]": ColwiseParallel(), "*.feed_forward.w2": RowwiseParallel(output_layouts=seq)}
+            "*.feed_forward.w[13]": ColwiseParallel(),
+            "*.feed_forward.w2": RowwiseParallel(output_layouts=seq)}
     if sp:
         plan.update({"*.attention_norm": SequenceParallel(), "*.ffn_norm": SequenceParallel(),
                      "*.attention": PrepareModuleInput(input_layouts=(Shard(1),),
