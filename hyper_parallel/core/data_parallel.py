@@ -231,7 +231,7 @@ class GradientReducer(Switchable):
                     _local(param.grad).add_(_local(carry))
             if param.grad is not None:
                 self._written[id(param)] = weakref.ref(param.grad)
-        if len(present) == n_params:
+        if len(present) == n_params or self.platform.is_fake(flat):   # no tail, or no values (a dry run)
             return set()
         tail = flat[flat.shape[0] - 4:].tolist()
         return {k for k in range(4) if tail[k] > 0}
