@@ -11,7 +11,7 @@ The router's load-balancing loss is recomputed over the global tokens of the dat
 router logits are captured by forward hooks, so no rank-local auxiliary loss is computed.
 """
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 from hyper_parallel.core.expert_parallel import ExpertParallel, load_balancing_loss
 from hyper_parallel.core.expert_parallel.experts import is_stacked_experts
@@ -23,7 +23,7 @@ _NUM_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
 _TOP_K = ("num_experts_per_tok", "num_experts_per_token")
 
 
-def _config_int(config: object, names: Sequence[str]) -> int:
+def _config_int(config: Any, names: Sequence[str]) -> int:
     for name in names:
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
@@ -31,7 +31,7 @@ def _config_int(config: object, names: Sequence[str]) -> int:
     return 0
 
 
-def ep_dims(mesh: object, ep: object) -> Tuple[str, ...]:
+def ep_dims(mesh: Any, ep: Any) -> Tuple[str, ...]:
     """The ep mesh dims as a tuple; a ValueError naming a dim the mesh lacks."""
     dims = (ep,) if isinstance(ep, str) else tuple(ep) if isinstance(ep, (tuple, list)) else None
     if not dims or not all(isinstance(d, str) for d in dims) or len(set(dims)) != len(dims):
@@ -45,14 +45,14 @@ def ep_dims(mesh: object, ep: object) -> Tuple[str, ...]:
     return dims
 
 
-def _moe_blocks(model: object) -> List[object]:
+def _moe_blocks(model: Any) -> List[Any]:
     platform = get_platform()
     return [module for _, module in platform.named_modules(model)
             if any(name == "experts" and is_stacked_experts(child)
                    for name, child in platform.named_children(module))]
 
 
-def _sub(mesh: object, dims: Sequence[str]) -> Optional[object]:
+def _sub(mesh: Any, dims: Sequence[str]) -> Any:
     if not dims:
         return None
     if mesh.ndim == len(dims) == 1:
@@ -61,7 +61,12 @@ def _sub(mesh: object, dims: Sequence[str]) -> Optional[object]:
     return sub if sub.ndim == 1 else sub.flatten("_".join(dims))
 
 
-def check_expert_parallel(model: object, mesh: object, ep: object, data_parallel: bool = True,
+def _experts_in_tp_plan(model: Any) -> List[str]:
+    plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    return sorted(key for key in plan if ".experts" in key)
+
+
+def check_expert_parallel(model: Any, mesh: Any, ep: Any, data_parallel: bool = True,
                           tensor_parallel: bool = False) -> Tuple[str, ...]:
     """Every check that needs no communication: the dims, the expert count against the ep size,
     top-k against the expert count, and that the model has stacked experts at all."""
@@ -70,9 +75,10 @@ def check_expert_parallel(model: object, mesh: object, ep: object, data_parallel
         raise ValueError(f"parallelize_model(ep={ep!r}) needs the mesh's dp_shard dim: the non-expert "
                          f"gradients are reduced by fully_shard (data_parallel would all-reduce the split "
                          f"experts too); name the data dim 'dp_shard' or pass dp_shard=")
-    if tensor_parallel:
-        raise ValueError(f"parallelize_model(ep={ep!r}) with a tensor-parallel dim is not supported yet (the "
-                         f"model's TP plan would split the experts' features too); drop tp= or ep=")
+    if tensor_parallel and _experts_in_tp_plan(model):
+        raise ValueError(f"parallelize_model(ep={ep!r}): the model's TP plan also splits the experts "
+                         f"({_experts_in_tp_plan(model)}); expert tensor parallelism is not supported, "
+                         f"drop tp= or ep=")
     size = math.prod(mesh[d].size() if mesh.ndim > 1 else mesh.size() for d in dims)
     config = getattr(model, "config", None)
     num, top_k = _config_int(config, _NUM_EXPERTS), _config_int(config, _TOP_K)
@@ -85,8 +91,8 @@ def check_expert_parallel(model: object, mesh: object, ep: object, data_parallel
     return dims
 
 
-def apply_expert_parallel(model: object, mesh: object, ep: object, data_dims: Sequence[str],
-                          average: bool) -> object:
+def apply_expert_parallel(model: Any, mesh: Any, ep: Any, data_dims: Sequence[str],
+                          average: bool) -> Any:
     """Split the experts over ``ep``, fully_shard them over ``data_dims`` minus ``ep`` and make the
     load-balancing loss global over ``data_dims``."""
     dims = check_expert_parallel(model, mesh, ep)
@@ -104,7 +110,7 @@ def apply_expert_parallel(model: object, mesh: object, ep: object, data_dims: Se
     return model
 
 
-def _check_data_dims(mesh: object, ep: object, dims: Sequence[str], data_dims: Sequence[str]) -> None:
+def _check_data_dims(mesh: Any, ep: Any, dims: Sequence[str], data_dims: Sequence[str]) -> None:
     """The ep ranks must be data ranks (they keep their own tokens, whose gradients fully_shard
     reduces), and no data dim may escape the experts' reduction (HSDP's dp_replicate is not wired)."""
     outside = [d for d in dims if d not in data_dims]
@@ -119,7 +125,7 @@ def _check_data_dims(mesh: object, ep: object, dims: Sequence[str], data_dims: S
                          f"dp_replicate into dp_shard")
 
 
-def _routers(model: object) -> List[object]:
+def _routers(model: Any) -> List[Any]:
     found = []
     for block in _moe_blocks(model):
         router = getattr(block, "gate", None) or getattr(block, "router", None)
@@ -128,7 +134,7 @@ def _routers(model: object) -> List[object]:
     return found
 
 
-def _global_aux_loss(model: object, group: object, share: int) -> None:
+def _global_aux_loss(model: Any, group: Any, share: int) -> None:
     """Route the model's auxiliary loss through ``load_balancing_loss`` over ``group``. Each rank
     adds ``coef · aux / share``: the whole term where the ranks' losses are averaged, a 1 / R share
     where they are summed (``average=False``: the losses add up to the global loss)."""

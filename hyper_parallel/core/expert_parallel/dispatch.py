@@ -15,7 +15,7 @@ Each rank routes its own tokens. One call:
 Assignments to expert index ``E`` (Hugging Face's "no expert" slot) are dropped (zero output).
 """
 from dataclasses import dataclass
-from typing import Callable, Sequence, Tuple
+from typing import Any, Callable, Sequence, Tuple
 
 import numpy as np
 
@@ -23,14 +23,14 @@ from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.platform import get_platform
 
 
-def host_ints(tensor: object) -> np.ndarray:
+def host_ints(tensor: Any) -> np.ndarray:
     """An integer tensor's values as a host int64 array (torch or MindSpore)."""
     if hasattr(tensor, "asnumpy"):
         return np.asarray(tensor.asnumpy(), dtype=np.int64)
     return np.asarray(tensor.detach().cpu().numpy(), dtype=np.int64)
 
 
-def _exchange(tensor: object, group: object, send: Sequence[int], recv: Sequence[int]) -> object:
+def _exchange(tensor: Any, group: Any, send: Sequence[int], recv: Sequence[int]) -> Any:
     """Rows ``[sum(send[:d]), sum(send[:d+1]))`` go to group rank d; rank s's rows arrive in order."""
     platform = get_platform()
     pieces, start = [], 0
@@ -42,12 +42,12 @@ def _exchange(tensor: object, group: object, send: Sequence[int], recv: Sequence
     return platform.cat(list(received), 0)
 
 
-def _a2a_forward(ctx: object, tensor: object, group: object, send: tuple, recv: tuple) -> object:
+def _a2a_forward(ctx: Any, tensor: Any, group: Any, send: tuple, recv: tuple) -> Any:
     ctx.group, ctx.send, ctx.recv = group, send, recv
     return _exchange(tensor, group, send, recv)
 
 
-def _a2a_backward(ctx: object, grad: object) -> tuple:
+def _a2a_backward(ctx: Any, grad: Any) -> tuple:
     # the reverse exchange: every row's gradient returns to the rank that sent the row
     return _exchange(grad.contiguous(), ctx.group, ctx.recv, ctx.send), None, None, None
 
@@ -55,12 +55,12 @@ def _a2a_backward(ctx: object, grad: object) -> tuple:
 VariableAllToAll = lazy_autograd_function("VariableAllToAll", _a2a_forward, _a2a_backward)
 
 
-def _scale_forward(ctx: object, tensor: object, scale: float) -> object:
+def _scale_forward(ctx: Any, tensor: Any, scale: float) -> Any:
     ctx.scale = scale
     return tensor.view(tuple(tensor.shape))
 
 
-def _scale_backward(ctx: object, grad: object) -> tuple:
+def _scale_backward(ctx: Any, grad: Any) -> tuple:
     return grad * ctx.scale, None
 
 
@@ -72,13 +72,13 @@ GradScale = lazy_autograd_function("ExpertGradScale", _scale_forward, _scale_bac
 @dataclass(frozen=True)
 class RoutingPlan:
     """Host bookkeeping of one dispatch (every index a platform int64 tensor)."""
-    token_rows: object            # (n_sent,) the token of each sorted row
-    back: object                  # (T*K,) row of [returned rows; a zero row] for each assignment
+    token_rows: Any            # (n_sent,) the token of each sorted row
+    back: Any                  # (T*K,) row of [returned rows; a zero row] for each assignment
     dropped: bool                 # some assignment chose the "no expert" slot
     send: Tuple[int, ...]         # rows sent to each group rank
     recv: Tuple[int, ...]         # rows received from each group rank
-    regroup: object               # (n_recv,) received rows ordered by local expert
-    ungroup: object               # its inverse
+    regroup: Any               # (n_recv,) received rows ordered by local expert
+    ungroup: Any               # its inverse
     expert_rows: Tuple[int, ...]  # rows of each local expert after regrouping
     counts: np.ndarray            # (E,) this rank's assignments per expert
     recv_counts: np.ndarray       # (ep, E / ep) rows from each source for each local expert
@@ -90,8 +90,8 @@ def _inverse(perm: np.ndarray) -> np.ndarray:
     return inverse
 
 
-def plan_routing(top_k_index: object, num_experts: int, group: object, ep: int,
-                 device: object) -> RoutingPlan:
+def plan_routing(top_k_index: Any, num_experts: int, group: Any, ep: int,
+                 device: Any) -> RoutingPlan:
     """Sort this rank's assignments by expert and exchange the counts (one small all-to-all)."""
     platform = get_platform()
     flat = host_ints(top_k_index).reshape(-1)
@@ -119,8 +119,8 @@ def plan_routing(top_k_index: object, num_experts: int, group: object, ep: int,
         counts=counts, recv_counts=recv_counts)
 
 
-def dispatch_combine(hidden: object, top_k_index: object, top_k_weights: object, num_experts: int,
-                     group: object, ep: int, compute: Callable[[object, Tuple[int, ...]], object]) -> object:
+def dispatch_combine(hidden: Any, top_k_index: Any, top_k_weights: Any, num_experts: int,
+                     group: Any, ep: int, compute: Callable[[Any, Tuple[int, ...]], Any]) -> Any:
     """``sum_k weight[t, k] * expert_{index[t, k]}(hidden[t])`` for this rank's tokens, the experts
     living on their ranks. ``compute(rows, expert_rows)`` runs the local experts on rows grouped by
     expert (``expert_rows[j]`` rows for local expert j) and returns one output row per input row."""

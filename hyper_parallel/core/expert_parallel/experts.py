@@ -6,7 +6,7 @@ with ``is_transposed`` (gpt-oss) — optional ``gate_up_proj_bias`` / ``down_pro
 the module's own ``_apply_gate`` (SwiGLU halves, gpt-oss's clamped interleave) or ``act_fn``.
 Every parameter whose dim 0 is E is split on that dim.
 """
-from typing import Dict, Tuple
+from typing import Any, Dict, Tuple
 
 from hyper_parallel.platform import get_platform
 
@@ -14,13 +14,13 @@ STACKED = ("gate_up_proj", "down_proj")
 BIASES = ("gate_up_proj_bias", "down_proj_bias")
 
 
-def is_stacked_experts(module: object) -> bool:
+def is_stacked_experts(module: Any) -> bool:
     """A module holding every expert as stacked 3-D ``gate_up_proj`` / ``down_proj`` parameters."""
     params = dict(get_platform().named_parameters(module))
     return all(name in params and len(params[name].shape) == 3 for name in STACKED)
 
 
-def find_experts(module: object) -> Tuple[object, str]:
+def find_experts(module: Any) -> Tuple[Any, str]:
     """(the stacked experts module, its path relative to ``module``): ``module`` itself or a
     child named ``experts`` (an MoE block)."""
     if is_stacked_experts(module):
@@ -33,13 +33,13 @@ def find_experts(module: object) -> Tuple[object, str]:
                      f"experts module of a Hugging Face 5.x MoE layer")
 
 
-def expert_parameter_names(module: object) -> Tuple[str, ...]:
+def expert_parameter_names(module: Any) -> Tuple[str, ...]:
     """The parameters split on the expert dim: the stacked weights and their biases."""
     params = dict(get_platform().named_parameters(module))
     return tuple(name for name in STACKED + BIASES if name in params)
 
 
-def check_layout(module: object) -> int:
+def check_layout(module: Any) -> int:
     """The number of experts; a ValueError for a layout the local compute does not reproduce."""
     params = dict(get_platform().named_parameters(module))
     num = int(params["gate_up_proj"].shape[0])
@@ -56,20 +56,20 @@ def check_layout(module: object) -> int:
     return num
 
 
-def _gate(module: object, gate_up: object) -> object:
+def _gate(module: Any, gate_up: Any) -> Any:
     if hasattr(module, "_apply_gate"):
         return module._apply_gate(gate_up)
     half = int(gate_up.shape[-1]) // 2
     return module.act_fn(gate_up[..., :half]) * gate_up[..., half:]
 
 
-def _project(rows: object, weight: object, transposed: bool) -> object:
+def _project(rows: Any, weight: Any, transposed: bool) -> Any:
     # a Linear's layout (out, in) unless the module stores (in, out)
     return rows @ (weight if transposed else weight.swapaxes(0, 1))
 
 
-def grouped_compute(module: object, local: Dict[str, object], rows: object,
-                    expert_rows: Tuple[int, ...]) -> object:
+def grouped_compute(module: Any, local: Dict[str, Any], rows: Any,
+                    expert_rows: Tuple[int, ...]) -> Any:
     """Run local expert j on its ``expert_rows[j]`` consecutive rows of ``rows``. Every local expert
     runs, on zero rows if none came, so each expert weight has a gradient every step."""
     transposed = bool(getattr(module, "is_transposed", False))

@@ -8,12 +8,12 @@ one differentiable all-reduce of the E probability sums whose backward sums the 
 rank's loss carries the same global term, and data parallelism averages over the same ranks).
 The result equals Hugging Face's ``load_balancing_loss_func`` on the whole batch in one process.
 """
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 from hyper_parallel.platform import get_platform
 
 
-def _layer_sums(logits: object, num_experts: int, top_k: int, mask: Optional[object]) -> Tuple:
+def _layer_sums(logits: Any, num_experts: int, top_k: int, mask: Optional[Any]) -> Tuple:
     probs = logits.float().softmax(-1)
     chosen = probs.topk(top_k, dim=-1)[1]
     platform = get_platform()
@@ -27,23 +27,21 @@ def _layer_sums(logits: object, num_experts: int, top_k: int, mask: Optional[obj
     return counts, probs.sum(0), rows
 
 
-def global_routing_sums(router_logits: Sequence[object], num_experts: int, top_k: int, group: object,
-                        attention_mask: Optional[object] = None) -> Tuple[object, object, object]:
+def global_routing_sums(router_logits: Sequence[Any], num_experts: int, top_k: int, group: Any,
+                        attention_mask: Optional[Any] = None) -> Tuple[Any, Any, Any]:
     """(assignments per expert, router-probability sums per expert, token count), each summed over
     every layer's logits and every rank of ``group``; the probability sums keep their gradient."""
     platform = get_platform()
-    counts = probs = rows = None
-    for logits in router_logits:
-        c, p, r = _layer_sums(logits, num_experts, top_k, attention_mask)
-        counts, probs, rows = (c, p, r) if counts is None else (counts + c, probs + p, rows + r)
+    sums = [_layer_sums(logits, num_experts, top_k, attention_mask) for logits in router_logits]
+    counts, probs, rows = (sum(column[1:], column[0]) for column in zip(*sums))
     stats = platform.cat([counts.detach(), rows.detach().reshape(1)], 0)
     stats = platform.all_reduce(stats.contiguous(), group, "sum", tag="expert_routing_stats")
     probs = platform.differentiable_all_reduce(probs.contiguous(), group, "sum", backward="sum")
     return stats[:num_experts], probs, stats[num_experts]
 
 
-def load_balancing_loss(router_logits: Sequence[object], num_experts: int, top_k: int, group: object,
-                        attention_mask: Optional[object] = None) -> object:
+def load_balancing_loss(router_logits: Sequence[Any], num_experts: int, top_k: int, group: Any,
+                        attention_mask: Optional[Any] = None) -> Any:
     """Hugging Face's ``load_balancing_loss_func`` over the global batch of ``group``'s ranks
     (``attention_mask``: this rank's, flattened like the logits' rows)."""
     if not router_logits:

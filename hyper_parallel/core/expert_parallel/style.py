@@ -12,7 +12,7 @@ Gradients: an expert's gradient arrives summed over every ep rank's loss. With `
 fully_shard over the remaining data ranks then averages over those. ``average=False`` keeps the sum
 (a loss normalised by the global token count).
 """
-from typing import Dict, Tuple
+from typing import Any, Dict, Tuple
 
 from hyper_parallel.core.agreement import check_agreement
 from hyper_parallel.core.bounded_cache import lifetime_key
@@ -27,7 +27,7 @@ from hyper_parallel.platform import get_platform
 _SETTINGS = ("num_experts", "top_k", "hidden", "dtype", "average", "ep")
 
 
-def _router_top_k(module: object) -> int:
+def _router_top_k(module: Any) -> int:
     for name in ("gate", "router"):
         child = getattr(module, name, None)
         top_k = getattr(child, "top_k", None)
@@ -39,13 +39,13 @@ def _router_top_k(module: object) -> int:
 class ExpertState:
     """What the wrapped forward needs: the mesh, the expert count and the gradient convention."""
 
-    def __init__(self, module: object, mesh: object, num_experts: int, average: bool) -> None:
+    def __init__(self, module: Any, mesh: Any, num_experts: int, average: bool) -> None:
         self.module, self.mesh, self.num_experts, self.average = module, mesh, num_experts, average
         self.ep = mesh.size()
         self.group = mesh.get_group(0)
         self.names = expert_parameter_names(module)
 
-    def check(self, hidden: object, top_k_index: object) -> None:
+    def check(self, hidden: Any, top_k_index: Any) -> None:
         """Shape checks on every rank, then (first call of a signature) the ranks' agreement on the
         routing settings: one small all-reduce, so disagreeing ranks all raise instead of
         exchanging mismatched splits."""
@@ -61,7 +61,7 @@ class ExpertState:
         check_agreement(self.mesh, "expert_parallel", settings, signature=lifetime_key(self),
                         fix="route with the same experts, top-k, hidden size and dtype on every ep rank")
 
-    def local_parameters(self) -> Dict[str, object]:
+    def local_parameters(self) -> Dict[str, Any]:
         platform = get_platform()
         local = {}
         for name, param in platform.named_parameters(self.module):
@@ -74,7 +74,7 @@ class ExpertState:
 
 def _make_forward(state: ExpertState):
     def wrap(original):
-        def forward(hidden_states: object, top_k_index: object, top_k_weights: object) -> object:
+        def forward(hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
             state.check(hidden_states, top_k_index)
             local = state.local_parameters()
             return dispatch_combine(hidden_states, top_k_index, top_k_weights, state.num_experts, state.group,
@@ -94,7 +94,7 @@ class ExpertParallel(ParallelStyle):
             raise ValueError(f"ExpertParallel(average={average!r}): pass True or False")
         self.average = average
 
-    def apply(self, module: object, device_mesh: object) -> object:
+    def apply(self, module: Any, device_mesh: Any) -> Any:
         if device_mesh is None or getattr(device_mesh, "ndim", None) != 1:
             raise ValueError(f"ExpertParallel: pass a 1-D ep mesh (mesh['ep'], or mesh['dp_shard', 'cp']."
                              f"flatten() for several dims), got {device_mesh!r}")
