@@ -28,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--device", default=None if name == "dry-run" else "h100",
                        help="h100, h200, a100, b200, ascend910b or cpu (calibrated here)")
         p.add_argument("--gpus-per-node", type=int, default=8)
-        p.add_argument("--memory-gib", type=float, default=None, help="device memory to fit in (default: the device's)")
+        p.add_argument("--memory-gib", type=float, default=None,
+                       help="device memory to fit in (default: the device's)")
         p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
         p.add_argument("--layers", type=int, default=None,
                        help="run k and 2k layers and scale to the model's (default: dry-run the whole model; "
@@ -39,10 +40,14 @@ def _parser() -> argparse.ArgumentParser:
     dry.add_argument("--cp-mode", choices=sorted(CP_MODES), default=None)
     dry.add_argument("--features", default="chunked_loss", help=f"comma-separated, of {','.join(FEATURES)}")
     dry.add_argument("--rank", type=int, default=0)
-    dry.add_argument("--ep", default=None, help="expert parallelism over these data dims, e.g. dp_shard or dp_shard,cp")
+    dry.add_argument("--ep", default=None,
+                     help="expert parallelism over these data dims, e.g. dp_shard or dp_shard,cp")
     search = sub.choices["search"]
     search.add_argument("--gpus", type=int, required=True)
     search.add_argument("--all-modes", action="store_true", help="also the unbalanced allgather and ring")
+    search.add_argument("--tp", default=None, help="only these tp degrees, e.g. 4,8")
+    search.add_argument("--cp", default=None, help="only these cp degrees, e.g. 16,32")
+    search.add_argument("--cp-modes", default=None, help="only these CP modes, e.g. zigzag,ulysses")
     return parser
 
 
@@ -58,7 +63,8 @@ def _dry_run(args) -> int:
     def run(layers):
         build, _ = model_fn(args.model, layers=layers, dtype=args.dtype)
         return dry_run(build, tuple(args.mesh.values()), tuple(args.mesh), rank=args.rank, seq_len=args.seq,
-                       batch=args.batch, cp_mode=args.cp_mode, features=features, model_name=args.model, **extra)
+                       batch=args.batch, cp_mode=args.cp_mode, features=features, model_name=args.model,
+                       **extra)
     report = scaled_dry_run(run, args.layers, total) if args.layers else run(None)
     if args.device:
         memory = args.memory_gib * 2 ** 30 if args.memory_gib else None
@@ -67,11 +73,20 @@ def _dry_run(args) -> int:
     return 0
 
 
+def _ints(text: Optional[str]):
+    return tuple(int(x) for x in text.split(",")) if text else None
+
+
 def _search(args) -> int:
     from hyper_parallel.plan.search import Searcher, public, table
     searcher = Searcher(args.model, args.seq, args.gpus, args.device, args.gpus_per_node, args.batch,
                         args.memory_gib, args.dtype, args.layers)
-    result = searcher.run(all_modes=args.all_modes, progress=True)
+    only = {"tp": _ints(args.tp), "cp": _ints(args.cp),
+            "modes": tuple(args.cp_modes.split(",")) if args.cp_modes else None}
+    for mode in only["modes"] or ():
+        if mode not in CP_MODES:
+            raise ValueError(f"--cp-modes: {mode!r} is not one of {sorted(CP_MODES)}")
+    result = searcher.run(all_modes=args.all_modes, progress=True, only=only)
     for mesh, mode, features, reason in searcher.refused:
         print(f"refused {mesh} {mode} {','.join(features)}: {reason}", file=sys.stderr)
     print(json.dumps(public(result), indent=1) if args.json else table(result))

@@ -22,7 +22,8 @@ def torch_tools():
     """The torch side (platform/torch/dry_run.py); a clear error on any other platform."""
     name = get_platform().name
     if name not in ("torch", "npu"):
-        raise RuntimeError(f"hyper_parallel.plan: the dry run needs PyTorch's FakeTensorMode and fake process "
+        raise RuntimeError(f"hyper_parallel.plan: the dry run needs PyTorch's FakeTensorMode and fake "
+                           f"process "
                            f"group; HP_PLATFORM={name} has no fake tensors. Run it with HP_PLATFORM=torch "
                            f"(the plan applies to the same model on any platform)")
     from hyper_parallel.platform.torch import dry_run as tools
@@ -31,7 +32,8 @@ def torch_tools():
 
 def check_mesh(mesh_shape: Sequence[int], mesh_dim_names: Sequence[str]) -> Dict[str, int]:
     if len(mesh_shape) != len(mesh_dim_names):
-        raise ValueError(f"dry_run: mesh_shape {tuple(mesh_shape)} and mesh_dim_names {tuple(mesh_dim_names)} "
+        raise ValueError(f"dry_run: mesh_shape {tuple(mesh_shape)} and mesh_dim_names "
+                         f"{tuple(mesh_dim_names)} "
                          f"differ in length")
     unknown = [n for n in mesh_dim_names if n not in MESH_DIMS + ("ep",)]
     if unknown or len(set(mesh_dim_names)) != len(mesh_dim_names):
@@ -40,8 +42,9 @@ def check_mesh(mesh_shape: Sequence[int], mesh_dim_names: Sequence[str]) -> Dict
         raise ValueError(f"dry_run: mesh_shape {tuple(mesh_shape)} has a size below 1")
     if "ep" in mesh_dim_names:
         # this library's experts split over data-parallel dims (SPEC §17): ep names them
-        raise ValueError("dry_run: expert parallelism runs over the data-parallel ranks here, not a mesh dim of "
-                         "its own: drop 'ep' from the mesh and pass ep='dp_shard' (or ep=('dp_shard', 'cp')); "
+        raise ValueError("dry_run: expert parallelism runs over the data-parallel ranks here, not a mesh dim "
+                         "of its own: drop 'ep' from the mesh and pass ep='dp_shard' (or "
+                         "ep=('dp_shard', 'cp')); "
                          "the CLI's --ep dp_shard[,cp]")
     sizes = dict(zip(mesh_dim_names, (int(s) for s in mesh_shape)))
     if "cp" not in sizes:
@@ -104,8 +107,13 @@ def _dim_labels(mesh, names):
 def comm_by_dim(log, mesh, names) -> Dict[str, dict]:
     labels = _dim_labels(mesh, names)
     out = {}
+    cp = "cp" in names and mesh["cp"].size() > 1
     for op, nbytes, ranks in log:
         dim = labels.get(frozenset(ranks), "world" if len(ranks) == mesh.size() else "other")
+        if op == "send_recv" and cp:
+            # point-to-point runs on the default group with the peers' global ranks; its only users
+            # (the ring, linear attention's state hand-over) pass blocks between CP neighbours
+            dim = "cp"
         entry = out.setdefault(dim, {"collectives": 0, "bytes_sent": 0, "bytes_received": 0, "ops": {}})
         entry["collectives"] += 1
         entry["bytes_sent"] += nbytes
@@ -127,6 +135,10 @@ def dry_run(model_fn: Callable, mesh_shape: Sequence[int], mesh_dim_names: Seque
     tools = torch_tools()
     sizes = check_mesh(mesh_shape, mesh_dim_names)
     check_features(features, cp_mode, sizes)
+    if parallel_options.get("ep") is not None:
+        raise ValueError(f"dry_run(ep={parallel_options['ep']!r}): expert parallelism sizes its all-to-all "
+                         f"from the routing counts, values a dry run does not have; dry-run without ep "
+                         f"(experts then follow fully_shard and the tensor-parallel plan)")
     if seq_len % max(1, sizes.get("cp", 1)) or seq_len < 1 or batch < 1:
         raise ValueError(f"dry_run: seq_len {seq_len} must be a positive multiple of cp={sizes.get('cp', 1)} "
                          f"and batch {batch} positive")
@@ -169,7 +181,8 @@ def real_run(model_fn: Callable, mesh_shape: Sequence[int], mesh_dim_names: Sequ
                         parallel_options, None, model_name or type(model).__name__, get_platform().get_rank())
 
 
-def _step_report(tools, model, mesh, sizes, seq_len, batch, cp_mode, features, chunks, options, fake, name, rank):
+def _step_report(tools, model, mesh, sizes, seq_len, batch, cp_mode, features, chunks, options, fake, name,
+                 rank):
     from hyper_parallel.core.shard_sequence import shard_sequence
     _apply_features(model, features, chunks)
     _parallelize(model, mesh, sizes, cp_mode, features, options)

@@ -20,7 +20,8 @@ BUILTIN: Dict[str, Tuple[str, str, dict]] = {
     "llama3.1-70b": ("LlamaConfig", "LlamaForCausalLM", dict(
         _LLAMA31, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)),
     "llama3.1-405b": ("LlamaConfig", "LlamaForCausalLM", dict(
-        _LLAMA31, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128)),
+        _LLAMA31, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+        num_attention_heads=128)),
     "qwen3-32b": ("Qwen3Config", "Qwen3ForCausalLM", dict(
         hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
         num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
@@ -97,7 +98,8 @@ def load_config(name_or_path: str, dtype: str = "bfloat16"):
     return config, model_class
 
 
-def model_fn(name_or_path: str, layers: Optional[int] = None, dtype: str = "bfloat16") -> Tuple[Callable, int]:
+def model_fn(name_or_path: str, layers: Optional[int] = None,
+             dtype: str = "bfloat16") -> Tuple[Callable, int]:
     """(a function building the model, its layer count). ``layers``: build that many whole periods of
     the layer pattern's worth of layers instead (for per-layer scaling; see search.py)."""
     import copy

@@ -20,7 +20,8 @@ def cp_kwargs(mode: Optional[str]) -> dict:
         return {}
     if mode not in CP_MODES:
         raise ValueError(f"cp_mode {mode!r} is not a mode the planner knows; pass one of {sorted(CP_MODES)} "
-                         f"(mode='auto' measures links, which a dry run cannot: the planner searches the modes)")
+                         f"(mode='auto' measures links, which a dry run cannot: the planner searches the "
+                         f"modes)")
     return dict(CP_MODES[mode])
 
 

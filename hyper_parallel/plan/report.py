@@ -83,6 +83,7 @@ def gib(nbytes: float) -> str:
 def format_prediction(p: dict) -> List[str]:
     lines = [f"predicted on {p['device']}: step {p['step_seconds']:.3f} s, "
              f"{p['tokens_per_second_per_device']:.0f} tokens/s/device, MFU {100 * p['mfu']:.1f} % "
-             f"(compute {p['compute_seconds']:.3f} s, exposed communication {p['exposed_comm_seconds']:.3f} s)"]
+             f"(compute {p['compute_seconds']:.3f} s, exposed communication "
+             f"{p['exposed_comm_seconds']:.3f} s)"]
     lines.extend(f"  assumption: {a}" for a in p["assumptions"])
     return lines

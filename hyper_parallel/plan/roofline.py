@@ -72,7 +72,8 @@ def comm_seconds(report, dev: dict, gpus_per_node: int) -> Dict[str, float]:
 
 def compute_seconds(report, dev: dict) -> float:
     flops, hbm = dev["flops"] * GEMM_EFFICIENCY, dev["hbm"] * HBM_EFFICIENCY
-    return sum(n * max(f / flops, b / hbm) for (f, b), n in report.ops.items()) + report.memory_bound_bytes / hbm
+    ops = sum(n * max(f / flops, b / hbm) for (f, b), n in report.ops.items())
+    return ops + report.memory_bound_bytes / hbm
 
 
 def _exposed(report, seconds: Dict[str, float], compute: float) -> float:
@@ -112,9 +113,11 @@ def predict(report, device_name: str, gpus_per_node: int = 8, calibration: Optio
 
 def assumptions(dev: dict, gpus_per_node: int, capacity: Optional[float]) -> list:
     cap = "no limit" if capacity is None else f"{capacity / 1e9:.0f} GB, 95 % usable"
-    return [f"{dev['flops'] / 1e12:.0f} TFLOP/s dense bf16 x {GEMM_EFFICIENCY}, HBM {dev['hbm'] / 1e12:.2f} TB/s "
+    return [f"{dev['flops'] / 1e12:.0f} TFLOP/s dense bf16 x {GEMM_EFFICIENCY}, "
+            f"HBM {dev['hbm'] / 1e12:.2f} TB/s "
             f"x {HBM_EFFICIENCY}, memory {cap}",
             f"links {dev['links']}; {gpus_per_node} GPUs per node, ranks row-major over the mesh",
             "fully_shard collectives hidden behind compute but one unit's; ring hops behind half the compute "
             "but one hop; Ulysses, all-gather K/V and TP collectives exposed",
-            "MFU from the model's FLOPs (activation checkpointing: a quarter of them is recompute, not counted)"]
+            "MFU from the model's FLOPs (activation checkpointing: a quarter of them is recompute, not "
+            "counted)"]

@@ -23,10 +23,12 @@ def _comm(small: dict, large: dict, t: float) -> dict:
     for label in set(small) | set(large):
         empty = {"collectives": 0, "bytes_sent": 0, "bytes_received": 0, "ops": {}}
         a, b = small.get(label, empty), large.get(label, empty)
-        ops = {op: tuple(int(round(_line(x, y, t))) for x, y in zip(a["ops"].get(op, (0, 0)),
-                                                                        b["ops"].get(op, (0, 0))))
-               for op in set(a["ops"]) | set(b["ops"])}
-        out[label] = {k: int(round(_line(a[k], b[k], t))) for k in ("collectives", "bytes_sent", "bytes_received")}
+        ops = {}
+        for op in set(a["ops"]) | set(b["ops"]):
+            pairs = zip(a["ops"].get(op, (0, 0)), b["ops"].get(op, (0, 0)))
+            ops[op] = tuple(int(round(_line(x, y, t))) for x, y in pairs)
+        out[label] = {k: int(round(_line(a[k], b[k], t)))
+                      for k in ("collectives", "bytes_sent", "bytes_received")}
         out[label]["ops"] = ops
     return out
 
@@ -37,7 +39,8 @@ def extrapolate(small: DryRunReport, large: DryRunReport, k: int, layers: int) -
     ops = collections.Counter()
     for key in set(small.ops) | set(large.ops):
         ops[key] = max(0.0, _line(small.ops.get(key, 0), large.ops.get(key, 0), t))
-    memory = {c: int(round(_line(small.memory_bytes[c], large.memory_bytes[c], t))) for c in small.memory_bytes}
+    memory = {c: int(round(_line(small.memory_bytes[c], large.memory_bytes[c], t)))
+              for c in small.memory_bytes}
     return dataclasses.replace(
         small, memory_bytes=memory, peak_memory_bytes=int(round(_line(small.peak_memory_bytes,
                                                                       large.peak_memory_bytes, t))),

@@ -18,7 +18,8 @@ from hyper_parallel.plan.models import layer_period, load_config, model_fn
 from hyper_parallel.plan.roofline import predict
 from hyper_parallel.plan.scaling import scaled_dry_run
 
-FEATURE_LADDER = (("chunked_loss",), ("chunked_loss", "checkpoint"), ("chunked_loss", "checkpoint", "tiled_mlp"))
+FEATURE_LADDER = (("chunked_loss",), ("chunked_loss", "checkpoint"),
+                  ("chunked_loss", "checkpoint", "tiled_mlp"))
 DEFAULT_MODES = ("ulysses", "allgather_lb", "zigzag")
 ALL_MODES = ("ulysses", "allgather", "allgather_lb", "ring", "zigzag")
 
@@ -52,7 +53,8 @@ class Progress:
     def step(self, label: str) -> None:
         self.done += 1
         filled = int(30 * self.done / self.total)
-        self.stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {label[:60]:60s}")
+        bar = "#" * filled + "." * (30 - filled)
+        self.stream.write(f"\r[{bar}] {self.done}/{self.total} {label[:60]:60s}")
         self.stream.flush()
 
     def close(self) -> None:
@@ -61,7 +63,8 @@ class Progress:
 
 class Searcher:
     def __init__(self, model: str, seq: int, gpus: int, device: str, gpus_per_node: int = 8, batch: int = 1,
-                 memory_gib: Optional[float] = None, dtype: str = "bfloat16", layers: Optional[int] = None) -> None:
+                 memory_gib: Optional[float] = None, dtype: str = "bfloat16",
+                 layers: Optional[int] = None) -> None:
         from hyper_parallel.plan.dry_run import dry_run
         self._dry_run = dry_run
         self.model, self.seq, self.gpus, self.device = model, seq, gpus, device
@@ -79,9 +82,9 @@ class Searcher:
         key = (tuple(mesh.items()), mode, features, layers, rank)
         if key not in self._cache:
             build, _ = model_fn(self.model, layers=layers, dtype=self.dtype)
-            self._cache[key] = self._dry_run(build, tuple(mesh.values()), tuple(mesh), rank=rank, seq_len=self.seq,
-                                             batch=self.batch, cp_mode=mode, features=features,
-                                             model_name=self.model)
+            self._cache[key] = self._dry_run(build, tuple(mesh.values()), tuple(mesh), rank=rank,
+                                             seq_len=self.seq, batch=self.batch, cp_mode=mode,
+                                             features=features, model_name=self.model)
         return self._cache[key]
 
     def evaluate(self, mesh: dict, mode) -> Optional[dict]:
@@ -103,9 +106,13 @@ class Searcher:
                 return result
         return result
 
-    def run(self, all_modes: bool = False, progress: bool = True) -> dict:
+    def run(self, all_modes: bool = False, progress: bool = True, only: Optional[dict] = None) -> dict:
+        """``only``: {"tp": [...], "cp": [...], "modes": [...]} restricts the enumeration."""
+        only = only or {}
+        modes = only.get("modes") or (ALL_MODES if all_modes else DEFAULT_MODES)
         plans = [(m, mode) for m in meshes(self.gpus, self.heads, self.seq, self.gpus_per_node)
-                 for mode in ((ALL_MODES if all_modes else DEFAULT_MODES) if m["cp"] > 1 else (None,))]
+                 if all(not only.get(d) or m[d] in only[d] for d in ("tp", "cp"))
+                 for mode in (modes if m["cp"] > 1 else (None,))]
         bar = Progress(len(plans)) if progress else None
         found = []
         for mesh, mode in plans:
@@ -137,7 +144,8 @@ def why(result: dict) -> str:
     text = (f"fastest candidate that fits: {best['step_seconds']:.3f} s per step, peak "
             f"{best['peak_memory_bytes'] / 2 ** 30:.1f} GiB")
     if len(fits) > 1:
-        text += f"; the next, {_mesh_text(fits[1])}, is {fits[1]['step_seconds'] / best['step_seconds'] - 1:.0%} slower"
+        slower = fits[1]["step_seconds"] / best["step_seconds"] - 1
+        text += f"; the next, {_mesh_text(fits[1])}, is {slower:.0%} slower"
     return text
 
 
@@ -148,13 +156,14 @@ def _mesh_text(c: dict) -> str:
 
 def table(result: dict) -> str:
     lines = [f"{result['model']}, seq {result['seq']}, {result['gpus']} x {result['device']}",
-             f"   {'mesh':34s} {'features':34s} {'peak GiB':>9s} {'fits':>5s} {'step s':>9s} {'tok/s/dev':>10s} "
-             f"{'MFU':>6s}"]
+             f"   {'mesh':34s} {'features':34s} {'peak GiB':>9s} {'fits':>5s} {'step s':>9s} "
+             f"{'tok/s/dev':>10s} {'MFU':>6s}"]
     for c in result["candidates"]:
         mark = "*" if c is result["best"] else " "
         lines.append(f" {mark} {_mesh_text(c):34s} {','.join(c['features']):34s} "
                      f"{c['peak_memory_bytes'] / 2 ** 30:9.1f} {'yes' if c['fits'] else 'no':>5s} "
-                     f"{c['step_seconds']:9.3f} {c['tokens_per_second_per_device']:10.0f} {100 * c['mfu']:5.1f}%")
+                     f"{c['step_seconds']:9.3f} {c['tokens_per_second_per_device']:10.0f} "
+                     f"{100 * c['mfu']:5.1f}%")
     lines.append(f"* best: {why(result)}")
     if result["candidates"] and result["candidates"][0].get("_prediction"):
         lines.extend(f"  assumption: {a}" for a in result["candidates"][0]["_prediction"]["assumptions"])

@@ -81,7 +81,8 @@ class StepTracker(TorchDispatchMode):
         key = id(storage)
         entry = self._live.get(key)
         if entry is None:
-            entry = self._live[key] = [weakref.ref(storage, lambda _, k=key: self._release(k)), 0, phase, comm]
+            ref = weakref.ref(storage, lambda _, k=key: self._release(k))
+            entry = self._live[key] = [ref, 0, phase, comm]
         nbytes = storage.nbytes()
         self.live_bytes += nbytes - entry[1]
         entry[1] = nbytes
