@@ -12,12 +12,12 @@ from hyper_parallel.platform.training_contract import unavailable
 class ComputeStateContract:
     """Declared members of element sizes and the default computation state."""
 
-    def dtype_itemsize(self, dtype):
+    def dtype_itemsize(self, dtype) -> int:
         """Bytes per element of ``dtype`` (float8: 1, bfloat16: 2, float32: 4), from the framework, never
         parsed from the dtype's name."""
         raise unavailable("dtype_itemsize (element sizes)", self)
 
-    def default_compute_state(self):
+    def default_compute_state(self) -> contextlib.AbstractContextManager:
         """Context manager: the framework's default computation state inside — gradients recorded, no
         inference mode, no autocast — whatever the caller had set. A framework without such global
         state: a context that changes nothing."""

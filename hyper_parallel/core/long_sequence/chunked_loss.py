@@ -13,6 +13,7 @@ the row maxima and one of (sum of exponentials, target logit) — a few numbers 
 global log-sum-exp; the gradient of hidden (each rank's share from its columns) is all-reduced
 once at the end of backward, the weight's gradient stays a local shard.
 """
+import inspect
 import math
 
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
@@ -74,6 +75,10 @@ def _chunked_cross_entropy(hidden, weight, labels, *, chunk_size=DEFAULT_CHUNK, 
     token_weights = _token_weights(flat_labels, class_weight, ignore_index, flat_hidden)
     out = _CHUNKED_CE(flat_hidden, weight_local, flat_labels, token_weights, plan)
     return out.reshape(lead) if reduction == "none" else out
+
+
+# help() and IDEs show the real arguments; the public function takes *args only to name mistakes
+chunked_cross_entropy.__signature__ = inspect.signature(_chunked_cross_entropy)
 
 
 def _check_class_weight(class_weight, vocab):

@@ -124,7 +124,7 @@ def _take_input(args, kwargs, name, module):
                      f"positionally or by that name")
 
 
-def tiled_mlp(module, chunks, *, seq_dim=1):
+def tiled_mlp(module, chunks: int, *, seq_dim: int = 1):
     """Make ``module`` (a block's MLP or MoE block: token-local, its first argument (..., seq, ...,
     hidden)) run on ``chunks`` tiles of dim ``seq_dim`` with recompute. Exact: the same values and
     gradients. Returns ``module``. Other arguments pass to every tile unchanged; the input may be

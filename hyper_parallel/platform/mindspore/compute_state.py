@@ -9,5 +9,5 @@ import mindspore as ms
 class MindSporeComputeState:
     @staticmethod
     @functools.lru_cache(maxsize=None)
-    def dtype_itemsize(dtype):
+    def dtype_itemsize(dtype) -> int:
         return int(ms.Tensor(0, dtype).itemsize)

@@ -9,11 +9,11 @@ _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
 
 class TorchComputeState:
     @staticmethod
-    def dtype_itemsize(dtype):
+    def dtype_itemsize(dtype) -> int:
         return int(dtype.itemsize)
 
     @staticmethod
-    def default_compute_state():
+    def default_compute_state() -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         stack.enter_context(torch.inference_mode(False))
         stack.enter_context(torch.enable_grad())

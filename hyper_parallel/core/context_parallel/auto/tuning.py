@@ -15,6 +15,7 @@ per mesh and signature, so the layers of a model that share a shape tune once.
 import contextlib
 import statistics
 import time
+from typing import Iterator
 
 from hyper_parallel.core.bounded_cache import BoundedCache
 from hyper_parallel.core.context_parallel.masks import attention_masks
@@ -29,7 +30,7 @@ _TIMED = BoundedCache(256)
 
 
 @contextlib.contextmanager
-def outside_user_state():
+def outside_user_state() -> Iterator[None]:
     """The stand-ins and the calibration run here, never in the caller's state: not under its
     ``attention_masks`` (they describe the caller's sequence, not a stand-in's), nor its grad mode,
     inference mode or autocast (the framework's default computation state)."""
