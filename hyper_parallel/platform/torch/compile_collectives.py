@@ -35,7 +35,7 @@ def _finish(result, async_op):
 
 
 def _name(group) -> str:
-    return (group or dist.group.WORLD).group_name
+    return getattr(group or dist.group.WORLD, "group_name")
 
 
 def all_gather(comm, tensor, group, dim, async_op):

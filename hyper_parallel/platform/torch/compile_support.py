@@ -163,7 +163,7 @@ def compile_module(module: torch.nn.Module, **compile_kwargs: Any) -> torch.nn.M
     if getattr(module, "_hp_compiled", None) is not None:
         return module
     compiled = CompiledParallelModule(module, module.forward, dict(compile_kwargs))
-    module._hp_compiled = compiled
+    setattr(module, "_hp_compiled", compiled)
     module.forward = functools.wraps(module.forward)(compiled)
     return module
 
