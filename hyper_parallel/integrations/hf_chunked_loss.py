@@ -44,12 +44,53 @@ def _check_model(model):
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"parallelize_model(loss='chunked'): {name}'s LM head has a bias, which the chunked "
                          f"loss does not add; use loss=None")
+    return head, decoder
+
+
+def _check_config(model):
+    """On the meta device (nothing to run): the config fields known to scale logits."""
+    name = type(model).__name__
     config = getattr(model, "config", None)
-    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier",
+                 "output_multiplier_scale", "logit_multiplier"):
         if getattr(config, attr, None) not in (None, 1, 1.0):
             raise ValueError(f"parallelize_model(loss='chunked'): {name} transforms its logits "
                              f"(config.{attr}={getattr(config, attr)!r}); use loss=None")
-    return head, decoder
+
+
+def probe_logits(model):
+    """Refuse a model whose logits are not ``last hidden state @ lm_head.weight.T``: run it once on a
+    short sequence (one process, before any parallelism) and compare. Measures what a list of config
+    names would miss: Falcon-H1's lm_head multiplier, Gemma 2's final soft-capping, Cohere's
+    logit_scale, a 1/sqrt(d) scaling, a norm applied after the decoder's output. A model on the meta
+    device has no values to run: the config check of ``_check_model`` alone applies to it."""
+    import torch
+    head, decoder = _check_model(model)
+    if any(p.is_meta for p in model.parameters()):
+        _check_config(model)
+        return
+    captured = []
+    handle = decoder.register_forward_hook(lambda m, a, out: captured.append(
+        out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]))
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    ids = torch.randint(0, int(config.vocab_size), (1, 7), generator=torch.Generator().manual_seed(0))
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids.to(head.weight.device), use_cache=False).logits
+    finally:
+        handle.remove()
+        model.train(training)
+    hidden = captured[-1] if captured else None
+    plain = None if hidden is None else (hidden.float() @ head.weight.float().T)
+    if plain is None or plain.shape != logits.shape or not torch.allclose(
+            logits.float(), plain, atol=1e-4, rtol=1e-3):
+        off = "" if plain is None or plain.shape != logits.shape else \
+            f" (largest difference {float((logits.float() - plain).abs().max()):.3g})"
+        raise ValueError(f"parallelize_model(loss='chunked'): {type(model).__name__}'s logits are not its "
+                         f"last hidden state times the LM head's weight{off}: the model scales, caps or "
+                         f"transforms them on the way, which the chunked loss would drop; use loss=None")
 
 
 def apply_chunked_loss(model, context_parallel, chunk_size=DEFAULT_CHUNK):

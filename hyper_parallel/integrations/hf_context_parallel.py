@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from hyper_parallel.core.context_parallel import ContextParallel, start_attention
 from hyper_parallel.core.context_parallel.masks.attention_masks import attention_masks
 from hyper_parallel.core.context_parallel import attention as hp_attention
+from hyper_parallel.integrations import hf_mask_probe, hf_positions
 from hyper_parallel.integrations.hf_attention_args import attention_variant, check_attention_kwargs
 from hyper_parallel.integrations.hf_overlap import pipeline_attention_blocks
 from hyper_parallel.integrations.hf_sequence_audit import refuse_sequence_mixing
@@ -85,20 +86,29 @@ class CPAttention:
         self.model = weakref.ref(model)
         # the sequence-mixing audit (hf_sequence_audit.py): its runs get a token-local stand-in for
         # attention; a model still on the meta device is audited at its first forward
-        self.probing, self.audit_pending = False, False
+        self.probing, self.audit_pending, self.disabled = False, False, False
+        # per attention module: what the model's own mask restricts (hf_mask_probe.py), from the audit
+        self.restrictions = weakref.WeakKeyDictionary()
+        self.mask_grid = hf_mask_probe.grid_size(model.config)
+        # eager attention applies the model's mask as built; sdpa / flash skip a plain causal one and use
+        # the module's is_causal (BigBird-Pegasus's decoder: a causal mask, is_causal False, eager only)
+        impl = getattr(model.config, "_attn_implementation", None)
+        self.mask_decides = impl not in ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+        # position sources (hf_positions.py), this forward's global positions, the entry's offset
+        self.sources, self.context, self.entry_offset = [], None, 0
         self._by_positions = {}   # id(a forward's position_ids) -> (weak ref to them, its masks)
         self.name = f"hyper_parallel_cp_{next(_names)}"
 
     # ------------------------------------------------------------------ the attention function
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         if self.probing:
-            if attention_mask is not None:
-                raise ValueError(f"parallelize_model: {type(module).__name__} hands its attention a prepared "
-                                 f"mask tensor (e.g. a positional bias), which context parallelism does not "
-                                 f"split")
+            self.learn_mask(module, attention_mask)
             check_attention_kwargs(module, kwargs)
-            return _token_local_attention(query, value), None
+            return _token_local_attention(query, key, value), None
         masks = self.masks_for(kwargs)
+        chunk = self.restriction(module, attention_mask).chunk
+        if chunk is not None:   # chunked attention: chunks of the global token index are documents
+            masks = hf_mask_probe.with_chunks(masks, chunk, query.shape[0], query.shape[2] * self.mesh.size())
         args = self._core_args(module, query, key, value, attention_mask, scaling, dropout, kwargs, masks)
         if masks is None:
             return self.core(*args), None
@@ -111,6 +121,40 @@ class CPAttention:
         ``finish()``); only where no mask is active (hf_overlap.py checks)."""
         args = self._core_args(module, query, key, value, None, scaling, dropout, kwargs, None)
         return start_attention(self.core, *args)
+
+    def learn_mask(self, module, attention_mask):
+        """During the audit: what the mask the model built for ``module`` restricts (hf_mask_probe.py)."""
+        if attention_mask is None or module in self.restrictions:   # the first (unpadded) probe run decides
+            return
+        if not isinstance(attention_mask, hf_mask_probe.MaskSpec):
+            raise ValueError(f"parallelize_model: {type(module).__name__} hands its attention a prepared "
+                             f"mask tensor (e.g. a positional bias), which context parallelism does not "
+                             f"split")
+        restriction, why = hf_mask_probe.classify(attention_mask, self.mask_grid)
+        if restriction is None:
+            raise ValueError(f"parallelize_model: the attention mask {type(self.model()).__name__} builds "
+                             f"for {type(module).__name__} restricts attention in a way context parallelism "
+                             f"does not reproduce: {why}; train this model without a 'cp' mesh dim")
+        self.restrictions[module] = restriction
+
+    def restriction(self, module, attention_mask):
+        """The restriction the model's mask puts on ``module``'s attention (plain causal without a mask)."""
+        if attention_mask is None:
+            return hf_mask_probe.CAUSAL
+        if not isinstance(attention_mask, hf_mask_probe.MaskSpec):
+            raise ValueError("parallelize_model: the attention received a prepared mask tensor; under "
+                             "context parallelism pass the 2-D padding attention_mask (this rank's block) "
+                             "instead")
+        known = self.restrictions.get(module)
+        if known is None:   # not met by the audit (a dry run): the mask carries no padding / packing yet
+            if get_platform().is_fake(next(self.model().parameters())):
+                # a dry run (hyper_parallel.plan, fake tensors): the mask function cannot be evaluated
+                # on values; plain causal attention is assumed (docs/planning.md)
+                self.restrictions[module] = hf_mask_probe.CAUSAL
+            else:
+                self.learn_mask(module, attention_mask)
+            known = self.restrictions[module]
+        return known
 
     def masks_for(self, kwargs):
         """The masks of the forward this attention call belongs to (see the class docstring)."""
@@ -128,15 +172,19 @@ class CPAttention:
                          "as transformers' Llama-family layers do")
 
     def _core_args(self, module, query, key, value, attention_mask, scaling, dropout, kwargs, masks):
-        if attention_mask is not None:
-            raise ValueError("parallelize_model: the attention received a prepared mask tensor; under "
-                             "context parallelism pass the 2-D padding attention_mask (this rank's block) "
-                             "instead")
+        restriction = self.restriction(module, attention_mask)
         check_attention_kwargs(module, kwargs)
         causal = kwargs.get("is_causal")
         causal = getattr(module, "is_causal", True) if causal is None else causal
+        if isinstance(attention_mask, hf_mask_probe.MaskSpec) and self.mask_decides:
+            causal = restriction.causal   # the model ran an implementation that always applies its mask
+        causal = bool(causal) and restriction.causal
         gqa = query.shape[1] != key.shape[1]
-        variant = attention_variant(module, kwargs, query.shape[2] * self.mesh.size())
+        total = query.shape[2] * self.mesh.size()
+        variant = attention_variant(module, kwargs, total)
+        if restriction.window is not None and restriction.window < total:
+            window = restriction.window if variant[2] is None else min(variant[2], restriction.window)
+            variant = variant[:2] + (window,)
         if (masks is not None or any(x is not None for x in variant)) and dropout:
             raise ValueError(f"parallelize_model: attention dropout {dropout} with a padding mask, packed "
                              f"position_ids, soft-capping, sinks or a sliding window under context "
@@ -148,13 +196,25 @@ class CPAttention:
     def audit(self):
         """Refuse the model if a module other than attention mixes the sequence (every rank alike)."""
         self.audit_pending, self.probing = False, True
+        model = self.model()
+        if get_platform().is_fake(next(model.parameters())):
+            # a dry run (hyper_parallel.plan) has no values to compare: the audit is left to a real run
+            self.probing = False
+            return
         try:
-            refuse_sequence_mixing(self.model())
+            refuse_sequence_mixing(model)
+            # where positions enter (hf_positions.py): their hooks pass through while probing
+            entry = _entry_parameters(model)
+            self.sources = hf_positions.position_sources(model, entry)
+            self.entry_offset = hf_positions.entry_offset(self.sources)
+            hf_positions.install(self.sources, lambda: self.context)
+            hf_positions.refuse_block_differences(model, entry, lambda c: setattr(self, "context", c),
+                                                  self.entry_offset)
         finally:
             self.probing = False
 
     def pre_forward(self, module, args, kwargs):
-        if self.probing:
+        if self.probing or self.disabled:   # the audit, or verify=True's run without CP (hf_verify.py)
             return args, kwargs
         if self.audit_pending:
             self.audit()
@@ -165,10 +225,25 @@ class CPAttention:
             batch = local = 0
             problem = error
         self._check_ranks_agree(module, batch, local, kwargs, problem)
-        kwargs["use_cache"] = False
-        positions = positions.view(positions.shape)   # this forward's own tensor object (masks_for)
-        kwargs["position_ids"] = positions
-        self.masks = self._global_masks(kwargs.get("attention_mask"), positions, batch, local)
+        accepted = _entry_parameters(module)
+        if "use_cache" in accepted:
+            kwargs["use_cache"] = False
+        given = kwargs.get("position_ids") is not None
+        every = self._gather(positions.expand(batch, -1)).cpu() if given else None
+        total = local * self.mesh.size()
+        self.context = hf_positions.PositionContext(torch.arange(total)[None] if every is None else every,
+                                                    self.mesh.get_local_rank() * local, local, given)
+        # this forward's own tensor object (masks_for); RoBERTa-style entries count from padding_idx + 1
+        positions = positions.view(positions.shape) if given else positions + self.entry_offset
+        if "position_ids" in accepted:
+            kwargs["position_ids"] = positions
+        self.masks = self._global_masks(kwargs.get("attention_mask"), every)
+        counted = hf_positions.padding_dependent(self.sources)
+        if counted and not given and self.masks is not None and "padding_mask" in self.masks:
+            raise ValueError(f"parallelize_model: {type(module).__name__} counts positions from the padding "
+                             f"mask ({', '.join(counted)}), which one rank's block cannot count; pass "
+                             f"position_ids (this rank's block of the global ones) with a padded "
+                             f"attention_mask")
         key = id(positions)
         self._by_positions[key] = (weakref.ref(positions), self.masks)
         weakref.finalize(positions, self._by_positions.pop, key, None)   # gone with the forward's graph
@@ -202,8 +277,11 @@ class CPAttention:
         or another batch size is a ValueError on every rank, not a collective that aborts or hangs."""
         flags = [kwargs.get(n) is not None for n in ("attention_mask", "position_ids")]
         device = next(module.parameters()).device
-        mine = torch.tensor([[batch, local, *flags, problem is not None]], dtype=torch.int64, device=device)
-        every = get_platform().all_gather(mine, self.mesh.get_group(), dim=0).cpu().tolist()
+        row = [batch, local, *(int(f) for f in flags), int(problem is not None)]
+        mine = torch.tensor([row], dtype=torch.int64, device=device)
+        every = get_platform().all_gather(mine, self.mesh.get_group(), dim=0)
+        # a dry run (hyper_parallel.plan) is one rank on fake tensors: agreement is assumed
+        every = [row] * self.mesh.size() if get_platform().is_fake(every) else every.cpu().tolist()
         if problem is not None:
             raise problem
         refused = [r for r, row in enumerate(every) if row[-1]]
@@ -218,7 +296,8 @@ class CPAttention:
                              f"(shard_sequence splits it)")
 
     def post_forward(self, module, args, kwargs, output):
-        self.masks, self.in_forward = None, False   # recomputations find theirs by position_ids
+        # recomputations find their masks by position_ids
+        self.masks, self.in_forward, self.context = None, False, None
         return output
 
     def _gather(self, tensor):
@@ -234,22 +313,37 @@ class CPAttention:
                              f"(shard_sequence)")
         return positions
 
-    def _global_masks(self, attention_mask, positions, batch, local):
+    def _global_masks(self, attention_mask, pos):
         if attention_mask is not None:
             # on the CPU: the masked kernels decide per tile (skip / full / masked) without a device sync
             keep = self._gather(attention_mask.to(torch.bool)).cpu()
-            return None if bool(keep.all()) else {"padding_mask": keep}
-        pos = self._gather(positions.expand(batch, -1)).cpu()
+            return None if get_platform().is_fake(keep) or bool(keep.all()) else {"padding_mask": keep}
+        if pos is None or get_platform().is_fake(pos):   # no position_ids, or a dry run: one document
+            return None
         start = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1
         if not bool(start[:, 1:].any()):
             return None
         return {"document_ids": start.cumsum(-1)}
 
 
-def _token_local_attention(query, value):
-    """The audit's stand-in: each query token gets its own value (heads repeated for GQA), BSHD."""
+def _token_local_attention(query, key, value):
+    """The audit's stand-in: each query token gets its own value plus the means of its own query and key
+    (so that whatever scales q or k, e.g. an attention temperature, shows), heads repeated for GQA; a
+    contiguous BSHD tensor, as sdpa's is after the model's transpose."""
     repeat = query.shape[1] // value.shape[1]
-    return value.repeat_interleave(repeat, dim=1).transpose(1, 2)
+    own = (value + key.mean(-1, keepdim=True).to(value.dtype)).repeat_interleave(repeat, dim=1)
+    out = own + query.mean(-1, keepdim=True).to(value.dtype)
+    return out.transpose(1, 2).contiguous()
+
+
+def _entry_parameters(module):
+    """The named parameters of ``module``'s forward (the model's entry)."""
+    import inspect
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
 
 
 def _own_config(model):
@@ -270,6 +364,7 @@ def prepare_context_parallel(model, cp_mesh, cp_kwargs):
     _own_config(model)
     state = CPAttention(model, cp_mesh, cp_kwargs)
     AttentionInterface.register(state.name, state)
+    hf_mask_probe.register(state.name)   # the model's masks come back unbuilt (hf_mask_probe.MaskSpec)
     model.set_attn_implementation(state.name)
     if model.config._attn_implementation != state.name:
         raise ValueError(f"parallelize_model: {type(model).__name__} does not accept a custom attention "
@@ -284,9 +379,10 @@ def prepare_context_parallel(model, cp_mesh, cp_kwargs):
 
 def apply_context_parallel(model, state, cp_kwargs):
     """The per-forward hooks (global masks and positions) and, with ``overlap``, the pipelined blocks."""
-    base = model.base_model
-    base.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
-    base.register_forward_hook(state.post_forward, with_kwargs=True)
+    # on the model itself, where every call enters (OPT's and BART-style *ForCausalLM call their decoder
+    # directly, not model.base_model); positions are fixed where the model's sources read them
+    model.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
+    model.register_forward_hook(state.post_forward, with_kwargs=True)
     model._hp_cp_attention = state
     if cp_kwargs.get("overlap"):   # q/k/v projections overlap the collectives too (hf_overlap.py)
         pipeline_attention_blocks(model, state, cp_kwargs, state.mesh.size())

@@ -15,9 +15,13 @@ Load balance: ``load_balance=True`` reorders tokens inside the full-attention ca
 head-tail exchange and its inverse); every other layer, these included, sees the rank's contiguous
 block, so the combination is exact as it is.
 
-Only the classes below are replaced (their forwards were read against transformers 5.x); any
+Only the classes below are replaced (their forwards were read against transformers 5.x), and classes
+whose code is theirs under another name prefix (Qwen3.5-MoE's Gated DeltaNet is Qwen3.5's); any
 other linear-attention class stays refused by the audit.
 """
+import functools
+import importlib
+
 import torch
 import torch.nn.functional as F
 
@@ -86,6 +90,42 @@ ADAPTERS = {
 }
 
 
+# the prefix of each known class's name (a copy under another prefix is the same layer)
+_PREFIXES = {"Qwen3NextGatedDeltaNet": "Qwen3Next", "Qwen3_5GatedDeltaNet": "Qwen3_5",
+             "KimiLinearDeltaAttention": "KimiLinear"}
+
+
+def _class_source(cls):
+    import inspect
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _adapter(cls):
+    """The ADAPTERS key for ``cls``: its own name, or a known class whose code it repeats under another
+    name prefix (transformers' "Copied from": Qwen3.5-MoE's Gated DeltaNet is Qwen3.5's); else None."""
+    if cls.__name__ in ADAPTERS:
+        return cls.__name__
+    for known, prefix in _PREFIXES.items():
+        suffix = known[len(prefix):]
+        if not cls.__name__.endswith(suffix) or not cls.__module__.startswith("transformers."):
+            continue
+        mine = _class_source(cls)
+        reference = getattr(importlib.import_module(_MODULES[known]), known, None)
+        theirs = _class_source(reference) if reference is not None else None
+        if mine and theirs and mine.replace(cls.__name__[:-len(suffix)], prefix) == theirs:
+            return known
+    return None
+
+
+_MODULES = {"Qwen3NextGatedDeltaNet": "transformers.models.qwen3_next.modeling_qwen3_next",
+            "Qwen3_5GatedDeltaNet": "transformers.models.qwen3_5.modeling_qwen3_5",
+            "KimiLinearDeltaAttention": "transformers.models.kimi_linear.modeling_kimi_linear"}
+
+
 class _Mixing:
     """The two sequence-mixing steps of one layer: on the CP blocks, or token-local while audited."""
 
@@ -135,7 +175,7 @@ def make_linear_attention_exact(model, cp_mesh, mode="allgather", tensor_paralle
     if mode not in MODES:
         raise ValueError(f"parallelize_model(linear_attention={mode!r}): pass one of {MODES} (how the "
                          f"linear-attention state crosses the CP ranks)")
-    found = [(name, module) for name, module in model.named_modules() if type(module).__name__ in ADAPTERS]
+    found = [(name, module) for name, module in model.named_modules() if _adapter(type(module)) is not None]
     if found and tensor_parallel:
         raise ValueError(f"parallelize_model: {type(model).__name__} has linear-attention layers "
                          f"({found[0][0]}: {type(found[0][1]).__name__}), which context parallelism splits "
@@ -145,7 +185,7 @@ def make_linear_attention_exact(model, cp_mesh, mode="allgather", tensor_paralle
     mixing = _Mixing(cp_mesh.get_group(), mode)
     replaced = []
     for name, module in found:
-        adapter = ADAPTERS[type(module).__name__]
+        adapter = ADAPTERS[_adapter(type(module))]
         platform.replace_forward(module, lambda _original, m=module, a=adapter: _cp_forward(m, a, mixing))
         mark_sequence_exact(module)
         replaced.append(name)

@@ -37,6 +37,7 @@ from hyper_parallel.core.context_parallel.mla import (attend_gathered, gather_la
                                                       gather_sequence_no_grad, selected_keys,
                                                       sparse_attention, visible_keys)
 from hyper_parallel.integrations.hf_attention_args import attention_variant, check_attention_kwargs
+from hyper_parallel.integrations.hf_mask_probe import CAUSAL, MaskSpec, classify, grid_size
 from hyper_parallel.integrations.hf_sequence_audit import is_probing, mark_sequence_exact
 from hyper_parallel.platform import get_platform
 
@@ -98,11 +99,27 @@ class _LatentPath:
         return masks or {}
 
 
+_RESTRICTIONS = weakref.WeakKeyDictionary()   # MLA module -> the restriction its mask was found to make
+
+
 def _check_call(module, attention_mask, cache, kwargs):
     if cache is not None or kwargs.get("past_key_values") is not None:
         raise ValueError(f"parallelize_model: {type(module).__name__} was called with a cache; context "
                          f"parallelism splits the sequence for training, pass use_cache=False")
-    if attention_mask is not None:
+    if isinstance(attention_mask, MaskSpec):   # the model's own mask, handed back unbuilt (hf_mask_probe.py)
+        restriction = _RESTRICTIONS.get(module)
+        if restriction is None:   # met first in the setup audit (no padding / packing folded in)
+            restriction, why = classify(attention_mask, grid_size(module.config))
+            _RESTRICTIONS[module] = restriction
+            if restriction is None:
+                raise ValueError(f"parallelize_model: the attention mask of {type(module).__name__} "
+                                 f"restricts attention in a way context parallelism does not reproduce: "
+                                 f"{why}")
+        if restriction != CAUSAL:
+            raise ValueError(f"parallelize_model: {type(module).__name__}'s mask is a "
+                             f"{restriction.describe()} mask, which its latent path does not implement; "
+                             f"train it without a 'cp' dim")
+    elif attention_mask is not None:
         raise ValueError(f"parallelize_model: {type(module).__name__} received a prepared mask tensor; "
                          f"under context parallelism pass the 2-D padding attention_mask (this rank's "
                          f"block) instead")

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from hyper_parallel.core.context_parallel.overlap.pipeline import pipeline_observer
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.integrations.hf_mask_probe import CAUSAL
 from hyper_parallel.platform import get_platform
 
 _KNOWN = ("LlamaAttention", "Qwen2Attention", "Qwen3Attention", "MistralAttention")
@@ -75,7 +76,8 @@ class PipelinedAttention:
         cache = bound["cache"] if bound["cache"] is not None else kwargs.get("past_key_values")
         module = self.module
         dropout = module.attention_dropout if module.training else 0.0
-        if (len(args) > len(names) or bound["attention_mask"] is not None or cache is not None or dropout
+        plain = self.state.restriction(module, bound["attention_mask"]) == CAUSAL   # no window / chunks
+        if (len(args) > len(names) or not plain or cache is not None or dropout
                 or self.state.masks_for(kwargs) is not None or bound["position_embeddings"] is None
                 or isinstance(bound["hidden_states"], DTensor)
                 or not all(_plain_linear(getattr(module, n)) for n in _PROJECTIONS)):

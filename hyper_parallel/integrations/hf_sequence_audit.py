@@ -174,17 +174,29 @@ def mixing_modules(model):
     return [(name, found[name]) for name in _innermost(sorted(found))]
 
 
+def _where(error):
+    """The innermost frame of the model's own code (transformers' modeling files) in the traceback."""
+    import traceback
+    frames = traceback.extract_tb(error.__traceback__)
+    inside = [f for f in frames if "/models/" in f.filename] or frames[-1:]
+    if not inside:
+        return "?"
+    frame = inside[-1]
+    return f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}: {frame.line}"
+
+
 def refuse_sequence_mixing(model):
     """ValueError naming every module that context parallelism would silently get wrong."""
     try:
         found = mixing_modules(model)
     except ValueError:
         raise
-    except Exception as error:   # a model that cannot run its layers on a block with our attention
-        raise ValueError(f"parallelize_model: {type(model).__name__} does not run with context-parallel "
-                         f"attention ({type(error).__name__}: {error}); its attention needs something this "
-                         f"library does not provide (e.g. DeepSeek Sparse Attention's indexer reads the "
-                         f"attention mask)") from error
+    except Exception as error:   # a model that cannot run its layers with the probe's stand-in attention
+        raise ValueError(f"parallelize_model: {type(model).__name__} could not run context parallelism's "
+                         f"setup probe (its attention replaced by a token-local stand-in, masks handed over "
+                         f"unbuilt): "
+                         f"{type(error).__name__}: {error} (raised at {_where(error)}); context parallelism "
+                         f"cannot check this model, train it without a 'cp' mesh dim") from error
     if found:
         lines = "; ".join(f"{name or '<model>'} ({cls}: {_reason(cls)})" for name, cls in found)
         raise ValueError(f"parallelize_model: {type(model).__name__} mixes tokens along the sequence outside "

@@ -9,7 +9,7 @@ from an attention function registered with transformers' ``AttentionInterface``
 (hf_context_parallel.py). Gradients still need ``data_parallel`` over the data and context
 parallel ranks (``mesh["dp", "cp"].flatten()``): see docs/training.md.
 """
-from hyper_parallel.integrations.hf_chunked_loss import apply_chunked_loss, check_loss_option
+from hyper_parallel.integrations.hf_chunked_loss import apply_chunked_loss, check_loss_option, probe_logits
 from hyper_parallel.integrations.hf_context_parallel import apply_context_parallel, prepare_context_parallel
 from hyper_parallel.integrations.hf_compile import compile_decoder_layers
 from hyper_parallel.integrations.hf_expert_parallel import apply_expert_parallel, check_expert_parallel
@@ -36,7 +36,7 @@ def _sub_mesh(mesh, name, role):
 
 
 def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shard", average=True, loss=None,
-                      cp_mode=None, ep=None, compile=False, **context_parallel_kwargs):
+                      cp_mode=None, ep=None, verify=False, compile=False, **context_parallel_kwargs):
     """Tensor parallelism on mesh dim ``tp`` (the model's ``base_model_tp_plan``) and context-parallel
     attention on mesh dim ``cp`` (``context_parallel_kwargs`` go to ``ContextParallel``, e.g.
     ``ulysses_degree=1``, ``load_balance=True``, ``kv_exchange="ring"``; ``linear_attention="allgather"``
@@ -53,6 +53,8 @@ def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shar
     if getattr(model, "_hp_parallelized", False):
         raise ValueError("parallelize_model was already applied to this model")
     check_loss_option(loss)
+    if loss == "chunked":   # before any parallelism: the model's own logits against hidden @ lm_head.T
+        probe_logits(model)
     if not isinstance(average, bool):
         raise ValueError(f"parallelize_model(average={average!r}): pass True or False")
     tp_mesh = _sub_mesh(device_mesh, tp, "tensor-parallel")
@@ -95,6 +97,12 @@ def parallelize_model(model, device_mesh, *, tp="tp", cp="cp", dp_shard="dp_shar
         apply_chunked_loss(model, context_parallel=cp_mesh is not None)
     if compile:   # each decoder layer compiled, its collectives inside (hf_compile.py, docs/compile.md)
         compile_decoder_layers(model, compile)
+    if verify:   # one probe batch with and without CP, layer by layer (hf_verify.py)
+        if state is None:
+            raise ValueError(f"parallelize_model(verify=True) compares the model with and without context "
+                             f"parallelism, but the mesh has no {cp!r} dim")
+        from hyper_parallel.integrations.hf_verify import verify_context_parallel
+        verify_context_parallel(model, state)
     # a dim whose gradients no wrapper reduces (dp without data_parallel) warns at the first forward
     reduced = {tp, *ep_dims} | ({dp_shard, cp, "dp_replicate"} if fsdp else set())
     warn_unreduced_dims(model, device_mesh, reduced)

@@ -1,0 +1,361 @@
+"""Every causal-LM architecture transformers registers, under ``parallelize_model`` context parallelism.
+
+    python -m tests.hf_sweep --write docs/hf_families.md          # the whole sweep (CP 2 and 4), the docs table
+    python -m tests.hf_sweep llama opt roberta --modes ulysses     # some types, printed
+
+For each type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: a tiny random config (the config class's
+defaults shrunk: hidden 32, 2 layers, 4 heads, vocabulary 128, every window / chunk shorter than the
+16-token sequence), every ``rope_type`` the config takes, one forward and backward of a 2-row batch
+under ``parallelize_model`` on a "cp" mesh, in each CP mode, against the same model in one process:
+logits (gathered) and every parameter gradient (summed over ranks) to fp32 1e-5. Verdicts:
+
+- ``exact``: equal;
+- ``refused``: ``parallelize_model`` (or, marked, the first call) raised a ValueError; the reason is its message;
+- ``silent``: it ran and differs (the defect this sweep exists to find);
+- ``obscure``: any other error under CP (not a clear refusal);
+- ``not text-only`` / ``no tiny config``: the model cannot run on token ids alone in one process, or the
+  shrunk config does not build; nothing about context parallelism is learned.
+
+Workers are the test harness's gloo pools (tests/harness); tests/test_hf_sweep.py runs a fast subset.
+"""
+import argparse
+import copy
+import sys
+
+B, S = 2, 16
+VOCAB = 128
+WINDOW = 5
+MODES = {"ulysses": {}, "allgather": {"ulysses_degree": 1},
+         "allgather-lb": {"ulysses_degree": 1, "load_balance": True},
+         "ring": {"ulysses_degree": 1, "kv_exchange": "ring"},
+         "zigzag": {"ulysses_degree": 1, "kv_exchange": "ring", "load_balance": True}}
+ROPE_TYPES = {"default": {}, "linear": {"factor": 2.0}, "dynamic": {"factor": 2.0},
+              "yarn": {"factor": 2.0, "original_max_position_embeddings": 8},
+              "longrope": None,   # per-dim factors: built in _rope
+              "llama3": {"factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8}}
+
+_SIZES = [
+    (("hidden_size", "d_model", "n_embd", "hidden_dim", "dim", "embed_dim", "model_dim", "d_embed",
+      "word_embed_proj_dim", "embedding_size"), 32),
+    (("intermediate_size", "ffn_dim", "d_ff", "n_inner", "decoder_ffn_dim", "encoder_ffn_dim", "ffn_hidden_size",
+      "inner_hidden_size", "hidden_ff_size"), 64),
+    (("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 16),
+    (("num_hidden_layers", "n_layer", "num_layers", "decoder_layers", "encoder_layers", "n_layers"), 2),
+    (("num_attention_heads", "n_head", "num_heads", "decoder_attention_heads", "encoder_attention_heads",
+      "n_heads"), 4),
+    (("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"), 2),
+    (("head_dim", "kv_channels", "attention_head_dim"), 8),
+    (("vocab_size",), VOCAB),
+    (("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length"), 256),
+    (("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"), 4),
+    (("num_experts_per_tok", "moe_top_k", "num_experts_per_token", "top_k"), 2),
+    (("sliding_window", "attention_chunk_size", "window_size", "local_window_size"), WINDOW),
+    # multi-head latent attention (DeepSeek-V2/V3 style)
+    (("kv_lora_rank", "q_lora_rank"), 16),
+    (("qk_rope_head_dim",), 4),
+    (("qk_nope_head_dim", "v_head_dim"), 8),
+]
+_ZERO = ("dropout", "dropout_rate", "attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop",
+         "embd_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob", "activation_dropout",
+         "classifier_dropout", "layerdrop", "decoder_layerdrop", "encoder_layerdrop", "attention_dropout_prob")
+
+
+def causal_lm_types():
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+_FLAGS = {"use_sliding_window": True, "max_window_layers": 1, "floor_scale": 4, "no_rope_layer_interval": 2,
+          "attn_temperature_tuning": True}
+
+
+def _overrides(defaults):
+    """Keyword arguments that shrink a config whose defaults are ``defaults`` (a dict)."""
+    out = {}
+    for names, size in _SIZES:
+        for name in names:
+            if isinstance(defaults.get(name), int) and not isinstance(defaults.get(name), bool):
+                out[name] = size
+    out.update((n, WINDOW) for n in ("sliding_window", "attention_chunk_size") if n in defaults)
+    special = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
+               "cls_token_id", "mask_token_id", "unk_token_id")
+    out.update((n, i % 16) for i, n in enumerate(special) if isinstance(defaults.get(n), int) and defaults[n] >= VOCAB)
+    out.update((n, 0.0) for n in _ZERO if isinstance(defaults.get(n), float))
+    out.update((n, v) for n, v in _FLAGS.items() if n in defaults and type(defaults[n]) is type(v))
+    if "qk_rope_head_dim" in out and "head_dim" in out:   # MLA: head_dim is the rope part
+        out["head_dim"] = out["qk_rope_head_dim"]
+    if isinstance(defaults.get("initializer_range"), float):
+        out["initializer_range"] = 0.2
+    kinds = list(dict.fromkeys(defaults.get("layer_types") or []))
+    if len(kinds) > 1:   # one layer of each kind (full, sliding, chunked, linear ...)
+        out["layer_types"] = kinds
+        for name in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+            if name in out:
+                out[name] = len(kinds)
+    return out
+
+
+def _build(config_class, text_key=None):
+    defaults = config_class().to_dict()
+    if text_key is None:
+        return config_class(**_overrides(defaults))
+    text = defaults[text_key]
+    return config_class(**dict(_overrides(defaults), **{text_key: dict(text, **_overrides(text))}))
+
+
+def _rope(config, rope_type):
+    params = getattr(config, "rope_parameters", None)
+    if rope_type == "default":
+        return config
+    if not isinstance(params, dict) or "rope_type" not in params:
+        return None
+    extra = ROPE_TYPES[rope_type]
+    if extra is None:   # longrope: one factor per rotary frequency, the long ones used past the original length
+        dim = int(params.get("partial_rotary_factor", 1.0) * (getattr(config, "head_dim", None) or
+                                                              config.hidden_size // config.num_attention_heads))
+        extra = {"short_factor": [1.0] * (dim // 2), "long_factor": [2.0 + i for i in range(dim // 2)],
+                 "original_max_position_embeddings": 8}
+    config.rope_parameters = dict(params, rope_type=rope_type, **extra)
+    return config
+
+
+def tiny(model_type, rope_type="default"):
+    """(config, model class) of a tiny random ``model_type``; raises when the config does not build."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    config_class = CONFIG_MAPPING[model_type]
+    defaults = config_class()
+    text_key = next((k for k in ("text_config", "decoder") if isinstance(defaults.to_dict().get(k), dict)), None)
+    config = _build(config_class, text_key)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if _rope(text, rope_type) is None:
+        return None, None
+    return config, getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+
+
+def rope_types(model_type):
+    config, _ = tiny(model_type)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    params = getattr(text, "rope_parameters", None)
+    return list(ROPE_TYPES) if isinstance(params, dict) and "rope_type" in params else ["default"]
+
+
+def _reference(model, ids, labels):
+    """Logits and every parameter gradient of one forward + backward in one process."""
+    import torch.nn.functional as F
+    logits = model(input_ids=ids, use_cache=False).logits.float()
+    count = (labels != -100).sum()
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / count
+    loss.backward()
+    return logits.detach(), {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _batch(vocab):
+    import torch
+    g = torch.Generator().manual_seed(7)
+    low = min(16, vocab // 2)   # above the special tokens (a pad id inside the batch changes RoBERTa's positions)
+    ids = torch.randint(low, vocab, (B, S), generator=g)
+    return ids, torch.cat([ids[:, 1:], torch.full((B, 1), -100)], 1)
+
+
+def _under_cp(model, ids, labels, mesh):
+    import torch
+    import torch.nn.functional as F
+    from hyper_parallel import get_platform, shard_sequence
+    count = (labels != -100).sum()
+    local_ids, local_labels = shard_sequence([ids, labels], mesh)
+    logits = model(input_ids=local_ids).logits.float()
+    loss = F.cross_entropy(logits.flatten(0, 1), local_labels.flatten(), reduction="sum") / count
+    loss.backward()
+    group = mesh.get_group()
+    every = get_platform().all_gather(logits.detach().contiguous(), group, dim=1)
+    grads = {}
+    for name, p in model.named_parameters():
+        grad = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+        grads[name] = get_platform().all_reduce(grad.contiguous(), group)
+    return every, grads
+
+
+def _difference(logits, grads, ref_logits, ref_grads):
+    """'' when equal to fp32 1e-5, else where and by how much."""
+    import torch
+
+    def off(a, b):
+        return float((a - b).abs().max()) if a.shape == b.shape else float("inf")
+    if not torch.allclose(logits, ref_logits, atol=1e-5, rtol=1e-5):
+        return f"logits off by {off(logits, ref_logits):.3g}"
+    for name, ref in ref_grads.items():
+        ref = torch.zeros_like(grads[name]) if ref is None else ref
+        if not torch.allclose(grads[name], ref, atol=1e-5, rtol=1e-5):
+            return f"grad of {name} off by {off(grads[name], ref):.3g}"
+    return ""
+
+
+def _short(error):
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:600]}"
+
+
+def run_case(model_type, rope_type, mode, mesh):
+    """(verdict, detail) of one (type, rope_type, mode) on ``mesh`` (every rank alike)."""
+    import warnings
+
+    import torch
+    from hyper_parallel.integrations.transformers import parallelize_model
+    try:
+        config, model_class = tiny(model_type, rope_type)
+        if config is None:
+            return "skip", f"no rope_type {rope_type}"
+        torch.manual_seed(0)
+        reference = model_class(config).float()
+    except Exception as error:
+        return "no tiny config", _short(error)
+    model = copy.deepcopy(reference)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    ids, labels = _batch(int(text.vocab_size))
+    try:
+        ref_logits, ref_grads = _reference(reference, ids, labels)
+    except Exception as error:
+        return "not text-only", _short(error)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            parallelize_model(model, mesh, **MODES[mode])
+        except ValueError as error:
+            return "refused", _short(error)
+        except Exception as error:
+            return "obscure", "at parallelize_model: " + _short(error)
+        try:
+            logits, grads = _under_cp(model, ids, labels, mesh)
+        except ValueError as error:
+            return "refused at call", _short(error)
+        except Exception as error:
+            return "obscure", "at the first call: " + _short(error)
+    wrong = _difference(logits, grads, ref_logits, ref_grads)
+    return ("silent", wrong) if wrong else ("exact", "")
+
+
+def sweep_worker(rank, world_size, cases):
+    """Every case on this rank of the pool; the verdicts (the same on every rank, else marked)."""
+    import transformers
+    from hyper_parallel import init_device_mesh
+    transformers.logging.set_verbosity_error()
+    # a rank that raises alone makes the others fail within a minute, not hang
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",), timeout=60)
+    return [run_case(model_type, rope_type, mode, mesh) for model_type, rope_type, mode in cases]
+
+
+def _log(cases, results):
+    """Append the verdicts to $HP_SWEEP_LOG (one JSON line per case), so a long sweep can be merged or resumed."""
+    import json
+    import os
+    path = os.environ.get("HP_SWEEP_LOG")
+    if path:
+        with open(path, "a") as out:
+            for case in cases:
+                out.write(json.dumps([list(case), list(results[case])]) + "\n")
+
+
+def run_cases(cases, world_size=2, batch=8, timeout=600):
+    """{case: (verdict, detail)}; a batch whose pool call fails is re-run one case at a time, and a case
+    that fails alone (a hang, a crash, ranks that disagree) is obscure."""
+    from tests.harness import DistTestFailure, run_dist
+    results = {}
+    for start in range(0, len(cases), batch):
+        part = cases[start:start + batch]
+        try:
+            answers = run_dist(world_size, sweep_worker, part, timeout=timeout)
+        except DistTestFailure as failure:
+            if len(part) == 1:
+                results[part[0]] = ("obscure", "ranks failed: " + " ".join(str(failure).split())[:400])
+                _log(part, results)
+                continue
+            results.update(run_cases(part, world_size, 1, timeout))
+            continue
+        for case, verdicts in zip(part, zip(*answers)):
+            same = all(v == verdicts[0] for v in verdicts)
+            results[case] = verdicts[0] if same else ("obscure", f"ranks disagree: {verdicts}")
+        _log(part, results)
+        print(f"  {min(start + batch, len(cases))}/{len(cases)}", file=sys.stderr, flush=True)
+    return results
+
+
+VERDICTS = ("exact", "refused", "refused at call", "silent", "obscure", "not text-only", "no tiny config")
+
+
+def table(results):
+    """The docs table: one row per architecture (its rope types and modes folded into the verdict)."""
+    by_type = {}
+    for (model_type, rope_type, mode), (verdict, detail) in results.items():
+        if verdict != "skip":
+            by_type.setdefault(model_type, []).append((rope_type, mode, verdict, detail))
+    counts = {v: 0 for v in VERDICTS}
+    rows = []
+    for model_type in sorted(by_type):
+        runs = by_type[model_type]
+        worst = max(runs, key=lambda r: (r[2] in ("silent", "obscure"), r[2] != "exact"))
+        verdicts = sorted({r[2] for r in runs})
+        counts[worst[2]] = counts.get(worst[2], 0) + 1
+        ran = ", ".join(sorted({f"{r[0]}/{r[1]}" for r in runs if r[2] == "exact"})) or "-"
+        why = worst[3].replace("|", "\\|").replace("\n", " ")[:300] if worst[2] != "exact" else ""
+        rows.append(f"| {model_type} | {' / '.join(verdicts)} | {ran} | {why} |")
+    summary = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
+    head = ["| type | verdict | exact in (rope type / CP mode) | reason (first non-exact case) |",
+            "|---|---|---|---|"]
+    return summary, head + rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("types", nargs="*", help="model types (default: every causal LM)")
+    parser.add_argument("--modes", default="ulysses,allgather-lb,zigzag")
+    parser.add_argument("--ropes", action="store_true", help="every rope_type the config takes (ulysses)")
+    parser.add_argument("--cp4", action="store_true", help="also CP 4 (allgather-lb)")
+    parser.add_argument("--write", help="write the markdown table to this file")
+    parser.add_argument("--json", help="also dump every case's verdict to this file")
+    args = parser.parse_args(argv)
+    types = args.types or causal_lm_types()
+    modes = args.modes.split(",")
+    cases = [(t, "default", m) for t in types for m in modes]
+    if args.ropes:
+        cases += [(t, r, modes[0]) for t in types for r in ROPE_TYPES if r != "default"]
+    results = run_cases(cases)
+    if args.cp4:
+        results.update({(t, r, m + "@4"): v for (t, r, m), v in
+                        run_cases([(t, "default", "allgather-lb") for t in types], world_size=4).items()})
+    if args.json:
+        import json
+        with open(args.json, "w") as out:
+            json.dump([[list(case), list(verdict)] for case, verdict in results.items()], out, indent=0)
+    summary, lines = table(results)
+    for case, (verdict, detail) in sorted(results.items()):
+        if verdict not in ("exact", "skip"):
+            print(case, verdict, detail[:300])
+    print(summary)
+    if args.write:
+        with open(args.write, "w") as out:
+            out.write(_DOC_HEAD.format(summary=summary, modes=", ".join(modes)) + "\n".join(lines) + "\n")
+
+
+_DOC_HEAD = """# Hugging Face causal LMs under context parallelism
+
+Generated by `python -m tests.hf_sweep --ropes --cp4 --write docs/hf_families.md` (tests/hf_sweep.py): every
+type in transformers' `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, a tiny random config (hidden 32, 2 layers,
+4 heads, vocabulary 128, windows and chunks of 5 on a 16-token sequence), one forward + backward under
+`parallelize_model` on CP 2 (modes: {modes}; every rope_type the config takes, Ulysses; CP 4 all-gather
+with load balance) against one process: logits and every parameter gradient to fp32 1e-5.
+
+Verdicts: **exact**; **refused** (a ValueError naming the reason at `parallelize_model`, or
+*at call*: at the first forward); **silent** (ran and differs: a defect); **obscure** (another error: a
+defect); **not text-only** (the model does not run on token ids alone in one process); **no tiny
+config** (the shrunk config does not build).
+
+Summary (worst verdict per architecture): {summary}.
+
+"""
+
+
+if __name__ == "__main__":
+    main()
