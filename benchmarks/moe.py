@@ -9,8 +9,8 @@ expert set). It prints and writes as JSON, per rank:
 
 * the expert bytes each rank holds beside total / ep (SPEC §17: = total / ep);
 * the bytes the dispatch sends in one step (its all-to-alls, counted by CommDebugMode) beside the
-  closed form from the routing counts: per MoE layer, forward
-  ``E·8·(ep−1)/ep`` (the count exchange) ``+ (rows to other ranks' experts + rows returned to other
+  closed form from the routing counts: per MoE layer, forward ``(E+ep)·8·(ep−1)/ep`` (the count
+  exchange, with the index-range flags) ``+ (rows to other ranks' experts + rows returned to other
   ranks)·H·4``, and backward the same rows again (the reverse exchanges);
 * token imbalance: per layer, max / mean of the rows each rank's experts receive;
 * step time (forward + backward + fused AdamW), the setups interleaved round by round, medians and
@@ -89,7 +89,7 @@ def closed_form(counts, rank, n, hidden, itemsize=4):
         mine = range(rank * local, (rank + 1) * local)
         away = sum(c for e, c in enumerate(counts[rank][layer]) if e not in mine)
         back = sum(counts[s][layer][e] for s in range(n) if s != rank for e in mine)
-        total += experts * 8 * (n - 1) // n + 2 * (away + back) * hidden * itemsize
+        total += (experts + n) * 8 * (n - 1) // n + 2 * (away + back) * hidden * itemsize
     return total
 
 

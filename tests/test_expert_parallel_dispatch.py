@@ -54,14 +54,14 @@ def tokens(rank, count=10, dropped=False, dtype=None):
 
 
 def closed_form(counts, ep, rank, itemsize, hidden):
-    """Bytes rank ``rank`` sends in one forward: the count exchange ((ep-1)/ep of E int64) plus every
+    """Bytes rank ``rank`` sends in one forward: the count exchange ((ep-1)/ep of E + ep int64) plus every
     row bound for another rank's experts, plus every row it returns to another rank."""
     import numpy as np
     counts = np.asarray(counts)                  # (ep ranks, E) assignments per expert
     local = E // ep
     sent = sum(counts[rank, d * local:(d + 1) * local].sum() for d in range(ep) if d != rank)
     returned = sum(counts[s, rank * local:(rank + 1) * local].sum() for s in range(ep) if s != rank)
-    return E * 8 * (ep - 1) // ep + int(sent + returned) * hidden * itemsize
+    return (E + ep) * 8 * (ep - 1) // ep + int(sent + returned) * hidden * itemsize
 
 
 def dispatch_case(rank, world_size, average, dropped):
@@ -86,7 +86,7 @@ def dispatch_case(rank, world_size, average, dropped):
     with CommDebugMode() as comm:
         (out * out).sum().backward()
     assert comm.get_comm_counts() == {"all_to_all": 2}, comm.get_comm_counts()
-    count_exchange = E * 8 * (world_size - 1) // world_size      # forward only
+    count_exchange = (E + world_size) * 8 * (world_size - 1) // world_size      # forward only
     assert comm.get_total_bytes() == closed_form(counts, world_size, rank, 4, H) - count_exchange
     ref_loss = 0
     for r in range(world_size):
@@ -187,6 +187,21 @@ def disagree_case(rank, world_size):
     return True
 
 
+def bad_index_case(rank, world_size):
+    """A router index out of range on one rank only: every rank raises, naming that rank."""
+    from hyper_parallel import ExpertParallel, init_device_mesh
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    module = ExpertParallel().apply(Experts.make(), mesh)
+    hidden, index, weights = tokens(rank)
+    module(hidden, index, weights)
+    if rank == 1:
+        index[3, 1] = E + 1
+    with pytest.raises(ValueError, match=r"outside \[0, 8\] .* on group rank\(s\) \[1\]"):
+        module(hidden, index, weights)
+    return True
+
+
 def test_bad_input_on_every_rank():
     assert run_dist(2, errors_case) == [True, True]
     assert run_dist(2, disagree_case) == [True, True]
+    assert run_dist(2, bad_index_case) == [True, True]

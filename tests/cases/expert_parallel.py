@@ -85,8 +85,9 @@ def dispatch_matches_dense(rank, world_size):
     away = sum(counts[rank][e] for e in range(E) if not rank * local <= e < (rank + 1) * local)
     back = sum(counts[s][rank * local:(rank + 1) * local].sum() for s in range(world_size) if s != rank)
     assert comm.get_comm_counts().get("all_to_all") == 5, comm.get_comm_counts()
-    assert comm.get_comm_bytes()["all_to_all"] == E * 8 * (world_size - 1) // world_size + 2 * int(
-        away + back) * H * 4, (comm.get_comm_bytes(), away, back)
+    counts_bytes = (E + world_size) * 8 * (world_size - 1) // world_size
+    assert comm.get_comm_bytes()["all_to_all"] == counts_bytes + 2 * int(away + back) * H * 4, \
+        (comm.get_comm_bytes(), away, back)
     return True
 
 

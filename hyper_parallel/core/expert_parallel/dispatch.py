@@ -4,7 +4,8 @@ Each rank routes its own tokens. One call:
 
 1. the (token, k) assignments are sorted by expert (host, stable): rows for rank d's experts are
    contiguous, ordered by expert inside;
-2. the per-expert counts are exchanged (``all_to_all_single`` of E int64 per rank): every rank
+2. the per-expert counts are exchanged (``all_to_all_single`` of E + ep int64 per rank: each block
+   carries a flag for router indices out of range, so every rank raises together): every rank
    learns how many rows it receives from each source for each of its E / ep experts;
 3. ONE all-to-all of variable splits sends the rows to their experts' ranks (``VariableAllToAll``:
    its backward is the reverse variable all-to-all on a contiguous gradient);
@@ -96,15 +97,21 @@ def plan_routing(top_k_index: Any, num_experts: int, group: Any, ep: int,
     platform = get_platform()
     flat = host_ints(top_k_index).reshape(-1)
     top_k = int(top_k_index.shape[-1]) if len(top_k_index.shape) else 1
-    if flat.size and (flat.min() < 0 or flat.max() > num_experts):
-        raise ValueError(f"ExpertParallel: router indices must lie in [0, {num_experts}] ({num_experts} = no "
-                         f"expert), got {int(flat.min())}..{int(flat.max())}")
+    # an index outside [0, E] travels as a flag with the counts, so every rank raises (none waits)
+    bad = int(flat.size > 0 and (flat.min() < 0 or flat.max() > num_experts))
+    if bad:
+        flat = np.zeros_like(flat)
     order = np.argsort(flat, kind="stable")
     counts = np.bincount(flat, minlength=num_experts + 1)[:num_experts].astype(np.int64)
     n_sent = int(counts.sum())
     local = num_experts // ep
-    recv_counts = host_ints(platform.all_to_all_single(
-        platform.tensor(counts.reshape(ep, local), device=device), group)).reshape(ep, local)
+    table = np.concatenate([counts.reshape(ep, local), np.full((ep, 1), bad, dtype=np.int64)], 1)
+    received = host_ints(platform.all_to_all_single(platform.tensor(table, device=device), group))
+    received = received.reshape(ep, local + 1)
+    if received[:, -1].any():
+        raise ValueError(f"ExpertParallel: router indices outside [0, {num_experts}] ({num_experts} = no "
+                         f"expert) on group rank(s) {np.flatnonzero(received[:, -1]).tolist()}")
+    recv_counts = received[:, :local]
     # received rows come by source, then by expert: a stable sort on the expert regroups them
     row_expert = np.repeat(np.tile(np.arange(local), ep), recv_counts.reshape(-1))
     regroup = np.argsort(row_expert, kind="stable")
