@@ -9,7 +9,7 @@ import pytest
 
 from tests.harness import run_dist
 
-ADOPTED = ("frozen", "unfrozen", "retyped", "unit_alone")
+ADOPTED = ("frozen", "unfrozen", "retyped", "unit_alone", "kept_gathered")
 REFUSED = {
     "tied": "is the same Parameter as 'up.weight' of the Block unit (another unit, which an earlier "
             "fully_shard call took)",
@@ -95,6 +95,15 @@ def _adopted(case, rank, world_size):
     if case == "unfrozen":
         model.blocks[0].up.weight.requires_grad_(True)
         return _train(model, ref, rank, world_size)
+    if case == "kept_gathered":   # the root's forward finds its unit gathered (unshard() before it)
+        model.head.weight.requires_grad_(False)
+        ref.head.weight.requires_grad_(False)
+
+        def gathered_first(m, x):
+            if hasattr(m, "unshard"):
+                m.unshard()
+            return m(x)
+        return _train(model, ref, rank, world_size, run=gathered_first)
     if case == "retyped":
         model.double()
         ref.double()

@@ -148,11 +148,13 @@ def sync_param(p: object, sharded_now: bool, may_retype: bool) -> bool:
     if any(h is not current for h in held[1:]):
         raise _replaced_error(p, next(h for h in held[1:] if h is not current))
     changed = False
-    if bool(current.requires_grad) != p.requires_grad:
-        p.set_requires_grad(bool(current.requires_grad))
+    # the user may have changed either object (the sharded one, or the gathered one while held)
+    flags = {bool(t.requires_grad) for t in (current, p.sharded) if t is not None} - {p.requires_grad}
+    if flags:
+        p.set_requires_grad(flags.pop())
         changed = True
-    retyped = current.dtype != p.orig_dtype or current._local_tensor.dtype != current.dtype
-    if may_retype and retyped:
+    # (only while sharded: the gathered tensor has the compute dtype and no shard)
+    if may_retype and (current.dtype != p.orig_dtype or current._local_tensor.dtype != current.dtype):
         # module.to(dtype) / .double() after wrapping: as in one process, the parameter keeps its
         # identity (the optimizer's) and takes the dtype; its shard follows the wrapper's dtype
         if current._local_tensor.dtype != current.dtype:
