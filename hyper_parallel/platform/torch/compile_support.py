@@ -19,6 +19,7 @@ DTensor call (``dtensor_base.py`` runs those eagerly); ``compile_module`` is the
 """
 import functools
 import types
+import warnings
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -96,7 +97,8 @@ class CompiledParallelModule:
         entry = self.compiled.get(key)
         if entry is None:
             region = self._build(signature)
-            entry = self.compiled[key] = (signature, region, torch.compile(region, **self.compile_kwargs))
+            entry = self.compiled[key] = (signature, region, torch.compile(region, **self.compile_kwargs),
+                                          {"traced": False, "eager": None})
         signature = entry[0]
         flat_in = [leaves[i] for i in signature.slots]
         flat_in = [x.to_local() if layout is not None else x for x, layout in zip(flat_in, signature.layouts)]
@@ -104,9 +106,22 @@ class CompiledParallelModule:
 
     def __call__(self, *args, **kwargs):
         entry, flat_in = self._prepare(args, kwargs)
-        signature, _, fn = entry
+        signature, _, fn, state = entry
+        if state["eager"] is not None:
+            return self.forward(*args, **kwargs)
         self._last = (entry[1], [(x.shape, x.dtype, x.requires_grad) for x in flat_in])
-        flat_out = fn(*flat_in)
+        try:
+            flat_out = fn(*flat_in)
+        except (torch._dynamo.exc.TorchRuntimeError, torch._dynamo.exc.BackendCompilerFailed) as exc:
+            if state["traced"]:
+                raise
+            # the block reads a tensor's value on the host while tracing (expert routing counts):
+            # every rank fails alike before any collective ran, so every rank runs it eagerly
+            state["eager"] = str(exc).strip().splitlines()[0]
+            warnings.warn(f"compile_module: {type(self.module).__name__} runs eagerly for this call "
+                          f"signature, it cannot be traced ({state['eager']}); docs/compile.md")
+            return self.forward(*args, **kwargs)
+        state["traced"] = True
         outs = list(signature.out_constants)
         slots = [i for i, c in enumerate(outs) if c is _TENSOR]
         for slot, value, layout in zip(slots, flat_out, signature.out_layouts):
@@ -118,7 +133,7 @@ class CompiledParallelModule:
         without arguments, of the last call's region, on zeros of its inputs' shapes (the call's own
         tensors may be gone: fully_shard frees unsharded parameters after forward)."""
         if args or kwargs:
-            (_, region, _), flat_in = self._prepare(args, kwargs)
+            (_, region, _, _), flat_in = self._prepare(args, kwargs)
         else:
             region, meta = self._last
             flat_in = [torch.zeros(shape, dtype=dtype).requires_grad_(grad) for shape, dtype, grad in meta]
