@@ -21,11 +21,12 @@ scaling chosen from the global length), position embeddings at their global rows
 positions are neither the model's local default nor the entry's global ones (positions derived from
 padding or token contents inside the model) is a ValueError naming it: pass ``position_ids``.
 """
+import contextlib
 from typing import Dict, List, Optional, Tuple
 
-import contextlib
-
 import torch
+
+from hyper_parallel.integrations.hf_sequence_audit import marked_probing
 
 _Key = Tuple[str, object]   # ("arg", index) or ("kw", name)
 
@@ -128,7 +129,7 @@ def _probing(model):
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), marked_probing():
             yield
     finally:
         for module, mode in modes.items():

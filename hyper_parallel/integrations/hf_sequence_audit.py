@@ -18,6 +18,7 @@ probe only, runs a token-local stand-in of its own mixing, as attention does; th
 measures it and everything else, so nothing unmarked is accepted and a marked module whose
 stand-in mixed would still be refused.
 """
+import contextlib
 import weakref
 
 import torch
@@ -44,6 +45,18 @@ _PROBING = [False]
 def mark_sequence_exact(module):
     """Record that ``module``'s forward runs exactly on CP sequence blocks (it exchanges what it needs)."""
     _EXACT.add(module)
+
+
+@contextlib.contextmanager
+def marked_probing():
+    """While it lasts, modules marked sequence-exact run their token-local stand-in (the position probes
+    of hf_positions.py run the model like the audit does)."""
+    before = _PROBING[0]
+    _PROBING[0] = True
+    try:
+        yield
+    finally:
+        _PROBING[0] = before
 
 
 def is_probing(module):
