@@ -168,8 +168,8 @@ def cp_families_case(rank, world_size, cases):
 def test_families_sample():
     """The default run: two families at ep 2 (Qwen3-MoE with its global aux loss; DeepSeek-V3: shared
     experts, a dense first layer, grouped routing), ep 4 over (dp_shard, cp) under context parallelism."""
-    assert run_dist(2, families_case, ["qwen3_moe", "deepseek_v3"]) == [[True] * 2] * 2
-    assert run_dist(4, cp_families_case, [("qwen3_moe", ("dp_shard", "cp"))]) == [[True]] * 4
+    assert run_dist(2, families_case, ["qwen3_moe", "deepseek_v3"], timeout=600) == [[True] * 2] * 2
+    assert run_dist(4, cp_families_case, [("qwen3_moe", ("dp_shard", "cp"))], timeout=600) == [[True]] * 4
 
 
 ALL = sorted(FAMILIES)
@@ -251,8 +251,8 @@ def test_checkpoint_ep4_to_ep2_to_one_process(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
     path = str(tmp_path / "ep4")
-    assert run_dist(4, _step_and_save, path) == [True] * 4
-    assert run_dist(2, _load, path) == [True] * 2
+    assert run_dist(4, _step_and_save, path, timeout=600) == [True] * 4
+    assert run_dist(2, _load, path, timeout=600) == [True] * 2
     model = make("qwen3_moe")
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=path, no_dist=True)
