@@ -43,7 +43,7 @@ class Switchable:
             self.enabled = previous
 
 
-def agree_parameters(mesh, named, reducer):
+def agree_parameters(mesh: object, named: list, reducer: object) -> None:
     """Every rank of the data-parallel mesh reduces the same trainable parameters (names, shapes,
     dtypes): the buckets' all-reduces would otherwise mismatch (SPEC §19). Checked once per
     wrapped module (``reducer``) and set of parameters."""
@@ -56,7 +56,7 @@ def agree_parameters(mesh, named, reducer):
             "rank")
 
 
-def backward_count_error(count, mesh):
+def backward_count_error(count: int, mesh: object) -> str:
     return (f"data_parallel: the ranks of {mesh} ran different numbers of backward passes since their last "
             f"forward (this rank's backward #{count}): each backward all-reduces the gradients, so every "
             f"rank "

@@ -64,7 +64,7 @@ def apply_fully_shard(model, mesh, dp_shard, cp, average=True):
     return model
 
 
-def warn_unreduced_dims(model, mesh, reduced):
+def warn_unreduced_dims(model: object, mesh: object, reduced: set) -> None:
     """Mesh dims of size > 1 over which nothing parallelize_model applied reduces the gradients
     (``reduced``: the dims its wrappers cover): the ranks along them hold replicas that drift apart
     unless the user wraps the model in ``data_parallel`` over them. Checked at the first forward,

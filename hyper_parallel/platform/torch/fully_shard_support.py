@@ -1,5 +1,7 @@
 """What fully_shard needs from torch beyond collectives: freeing and re-allocating a parameter's
 memory in place, writes autograd does not track, parameter swaps and backward hooks."""
+from typing import Callable
+
 import torch
 
 
@@ -41,14 +43,14 @@ def queue_backward_callback(callback):
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
-def register_optimizer_step_pre_hook(hook):
+def register_optimizer_step_pre_hook(hook: Callable) -> object:
     """``hook(optimizer, args, kwargs)`` before every ``step()`` of every torch optimizer (fully_shard
     checks there that an optimizer holds the parameters the model uses)."""
     from torch.optim import optimizer
     return optimizer.register_optimizer_step_pre_hook(hook)
 
 
-def register_grad_arrival_hook(param, hook):
+def register_grad_arrival_hook(param: torch.Tensor, hook: Callable) -> object:
     """``hook(param)`` when a backward delivers a gradient for the leaf ``param``, before it is
     added to ``param.grad`` (data_parallel separates an already-reduced ``.grad`` there)."""
     return param.register_hook(lambda grad: hook(param))
