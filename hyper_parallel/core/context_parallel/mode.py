@@ -4,6 +4,7 @@ import math
 from dataclasses import dataclass, replace
 
 from hyper_parallel.core.agreement_attention import attention_call
+from hyper_parallel.core.bounded_cache import lifetime_key
 from hyper_parallel.core.context_parallel.checks import (NAMES, agree_on_call, check_across_ranks,
                                                          check_layout, first_call_of_signature,
                                                          check_whole_sequence, normalise_dims,
@@ -18,7 +19,7 @@ from hyper_parallel.core.context_parallel.overlap.pipeline import pipelinable, r
 from hyper_parallel.core.context_parallel.ring.ring_mode import run_ring
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.dtensor.ops.attention_roles import AttentionRoles, expecting
+from hyper_parallel.core.dtensor.ops.attention_roles import AttentionRoles, expecting, tracking
 from hyper_parallel.core.dtensor.placement_types import HeadTailShard, Replicate
 from hyper_parallel.platform import get_platform
 
@@ -234,7 +235,12 @@ def prepare(style, cp_mesh, qkv):
     inputs = _validate(style, inputs, ulysses_dims)
     masks = active_masks()
     if masks is not None:   # packed documents / padding: masks.py, applied at the attention op
-        check_masks(masks, inputs.shapes[0][0], inputs.shapes[0][inputs.seq], inputs.shapes[1][inputs.seq])
+        try:
+            check_masks(masks, inputs.shapes[0][0], inputs.shapes[0][inputs.seq],
+                        inputs.shapes[1][inputs.seq])
+        except ValueError as exc:   # the sizes were read through seq_dim: it may be the culprit
+            raise ValueError(f"{exc} (sizes read with {_label(style)}; seq_dim=1, head_dim=2 for BSHD "
+                             f"blocks, seq_dim=2, head_dim=1 for BNSD)") from None
     return inputs, ulysses_dims, gather_dims, masks
 
 
@@ -246,7 +252,7 @@ def run_prepared(style, inputs, ulysses_dims, gather_dims, masks, call):
     """The call in its mode, from ``prepare``'s checked inputs: the caller's output."""
     call = agreeing(inputs.mesh, call)
     if masks is not None and not (style.kv_exchange == "ring" and gather_dims):
-        call = with_masks(masks, call)
+        call = with_masks(masks, call, inputs.seq, _label(style))
     if style.kv_exchange == "ring" and gather_dims:
         return deliver(style, inputs, *run_ring(style, inputs, ulysses_dims, gather_dims[0], call))
     call = _promising(style, inputs, ulysses_dims, gather_dims, call)
@@ -274,14 +280,19 @@ def agreeing(mesh, call):
 
 def _promising(style, inputs, ulysses_dims, gather_dims, call):
     """``call`` with the attention kernel told how this mode splits q (attention_roles.py)."""
-    roles = AttentionRoles(inputs.mesh, tuple([(m, "heads") for m in ulysses_dims] + [(m, "seq") for m in gather_dims]),
-                           inputs.shapes[0][inputs.seq],
-                           f"ContextParallel(seq_dim={style.seq_dim}, head_dim={style.head_dim})")
+    splits = tuple([(m, "heads") for m in ulysses_dims] + [(m, "seq") for m in gather_dims])
+    roles = AttentionRoles(inputs.mesh, splits, inputs.shapes[0][inputs.seq], _label(style))
+    # the sequence dim is also followed to the kernel, once per signature (attention_roles.tracking)
+    key = (lifetime_key(style), inputs.mesh, tuple(inputs.shapes), tuple(map(tuple, inputs.placements)))
 
     def promised(*args, **kwargs):
-        with expecting(roles):
+        with expecting(roles), tracking(key, args[:3], inputs.seq, roles.label):
             return call(*args, **kwargs)
     return promised
+
+
+def _label(style):
+    return f"ContextParallel(seq_dim={style.seq_dim}, head_dim={style.head_dim})"
 
 
 def _load_balanced(inputs, k, v, call):

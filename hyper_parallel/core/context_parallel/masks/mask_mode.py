@@ -13,6 +13,7 @@ from hyper_parallel.core.context_parallel.masks.block_masks import Span
 from hyper_parallel.core.context_parallel.masks.masked_attention import masked_attention
 from hyper_parallel.core.dtensor.dispatch.interceptors import Interceptor, intercepting
 from hyper_parallel.core.dtensor.ops.attention import ARG_NAMES
+from hyper_parallel.core.dtensor.ops.attention_roles import SeqTracking
 from hyper_parallel.core.dtensor.ops.attention_variants import call_variant, local_sinks
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy
 
@@ -41,7 +42,7 @@ def refusal(name, mode):
                       f"it")
 
 
-class MaskInterceptor(Interceptor):
+class MaskInterceptor(SeqTracking, Interceptor):
     pass_through = PASS_THROUGH
     consumers = CONSUMERS
 
@@ -51,6 +52,7 @@ class MaskInterceptor(Interceptor):
         self.used = False
 
     def strategy(self, call):
+        self.check_kernel(call)   # seq_dim must reach the kernel's sequence dim (attention_roles.py)
         if call.name not in ("sdpa", "attention"):
             raise ValueError("attention_masks with npu_fusion_attention under ContextParallel is not "
                              "supported (its TND actual_seq_qlen/kvlen cover packed sequences split along T "
@@ -88,12 +90,12 @@ class MaskInterceptor(Interceptor):
         return refusal(name, "Ulysses / all-gather")
 
 
-def with_masks(masks, call):
-    """``call`` (q, k, v DTensors → module output) with the masks applied at its attention op."""
+def with_masks(masks, call, seq=None, label="ContextParallel"):
+    """``call`` (q, k, v DTensors → module output) with the masks applied at its attention op
+    (q, k, v's sequence at dim ``seq``, checked there)."""
     def masked_call(q, k, v):
         interceptor = MaskInterceptor(masks)
-        for t in (q, k, v):
-            interceptor.follow(t)
+        interceptor.track((q, k, v), seq, label)
         with intercepting(interceptor):
             out = call(q, k, v)
         if not interceptor.used:

@@ -16,12 +16,14 @@ from hyper_parallel.core.context_parallel.ring.ring_attention import RingLayout,
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.dispatch.interceptors import Interceptor, intercepting
 from hyper_parallel.core.dtensor.ops.attention import ARG_NAMES
+from hyper_parallel.core.dtensor.ops.attention_roles import SeqTracking
 from hyper_parallel.core.dtensor.ops.attention_variants import call_variant, local_sinks
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy
 
 
-class RingInterceptor(Interceptor):
-    """Follows q, k, v to the attention op and runs ``kernel(q, k, v, variant, sinks)`` there."""
+class RingInterceptor(SeqTracking, Interceptor):
+    """Follows q, k, v to the attention op and runs ``kernel(q, k, v, variant, sinks)`` there
+    (their sequence dim tracked and checked there, attention_roles.py)."""
     pass_through = frozenset({"transpose", "permute", "movedim", "t", "view", "identity", "cast", "expand",
                               "contiguous"})
     consumers = frozenset({"sdpa", "attention", "npu_fusion_attention"})
@@ -32,6 +34,7 @@ class RingInterceptor(Interceptor):
         self.used = False
 
     def strategy(self, call):
+        self.check_kernel(call)   # seq_dim must reach the kernel's sequence dim
         if call.name not in ("sdpa", "attention"):
             return None  # the NPU rule explains that sequence-split K/V needs the sdpa ring
         q, k, v = (call.arg(i, ARG_NAMES[i]) for i in range(3))
@@ -90,8 +93,7 @@ def run_ring(style, inputs, ulysses_dims, ring_dim, call):
     # one all-to-all per tensor, not fused: a fused one stages q, k and v of the rank at once,
     # beyond the ring's memory bound (two K/V blocks and the re-laid own block)
     moved = to_mode(dts, seq, head, ulysses_dims, [], fuse=False)
-    for t in moved:
-        ring.follow(t)
+    ring.track(moved, seq, f"ContextParallel(seq_dim={style.seq_dim}, head_dim={style.head_dim})")
     with intercepting(ring):
         out = first_output(call(*moved))
     if not ring.used:

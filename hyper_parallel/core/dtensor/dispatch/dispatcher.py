@@ -172,9 +172,7 @@ def dispatch_function(name, func, args, kwargs, record=None):
     wrapped, out_structure, view_base = _run_on_shards(call, strategy, leaves, structure, targets,
                                                        out_placements, tracked)
     if interceptor is not None and name in interceptor.pass_through:
-        for out in wrapped:
-            if isinstance(out, DTensor):
-                interceptor.follow(out)
+        interceptor.passed(call, leaves, [out for out in wrapped if isinstance(out, DTensor)])
     if view_base is not None:
         _mark_views(wrapped, view_base, func, args, kwargs, autograd_view=False)
     result = tree_unflatten(wrapped, out_structure)

@@ -6,7 +6,7 @@ the user's transposes and views to ``F.scaled_dot_product_attention``, where the
 run instead of the attention rule's all-gather of K/V. An interceptor is pushed for the duration of
 such a call (``intercepting``) and consulted for every dispatched op whose inputs it follows:
 
-* the op is in ``pass_through`` (a pure relayout): it runs as usual and its outputs are followed;
+* the op is in ``pass_through`` (a pure relayout): it runs as usual and ``passed`` follows its outputs;
 * the op is in ``consumers``: ``strategy(call)`` replaces the rule's strategy (None: the rule's);
 * any other op reaching a followed tensor raises ``refusal(name)``, since the interceptor could
   not honour what that op would compute.
@@ -33,6 +33,12 @@ class Interceptor:
     def follows(self, tensor):
         ref = self._followed.get(id(tensor))
         return ref is not None and ref() is tensor
+
+    def passed(self, call, inputs, outputs):
+        """A pass-through op ran on followed ``inputs`` (the call's leaves): follow its DTensor
+        ``outputs``. Subclasses may carry per-tensor facts along (attention_roles.SeqTracking)."""
+        for out in outputs:
+            self.follow(out)
 
     def strategy(self, call):
         """The strategy for a consumer op, or None to let the op's rule decide."""
