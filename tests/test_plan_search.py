@@ -48,8 +48,8 @@ def test_search_json_ranks_the_candidates(config_path):
     assert meshes == {(4, 1, 1, None), (2, 1, 2, None), (2, 2, 1, "zigzag"), (1, 4, 1, "zigzag"),
                       (1, 2, 2, "zigzag")}
     assert all(c["fits"] for c in candidates) and candidates[0] == result["best"]
-    times = [c["step_seconds"] for c in candidates]
-    assert times == sorted(times) and all(t > 0 for t in times)
+    rates = [c["tokens_per_second_per_device"] for c in candidates]
+    assert rates == sorted(rates, reverse=True) and all(c["step_seconds"] > 0 for c in candidates)
     assert "#" in err and "refused {'dp_shard': 1, 'cp': 1, 'tp': 4}" in err   # progress bar, refusal
 
 

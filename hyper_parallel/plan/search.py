@@ -9,6 +9,8 @@ activation checkpointing, then tiled MLP (each saves memory and costs recompute)
 Each candidate is one dry run of the busiest rank (the job's last rank: the last CP rank does the most
 causal work in the unbalanced modes; all ranks hold the same memory up to uneven shards) on the model
 cut to k and 2k layers (scaling.py); dry runs are cached per (mesh, mode, features, layers, rank).
+Candidates are ranked by predicted time per token (tokens/s per device): a step of more data-parallel
+ranks trains more tokens.
 """
 import math
 import sys
@@ -123,7 +125,8 @@ class Searcher:
                 bar.step(f"{mesh} {mode or ''}")
         if bar:
             bar.close()
-        found.sort(key=lambda c: (not c["fits"], c["step_seconds"]))
+        # by time per token: candidates with more data-parallel ranks train more tokens per step
+        found.sort(key=lambda c: (not c["fits"], -c["tokens_per_second_per_device"]))
         best = found[0] if found and found[0]["fits"] else None
         return {"model": self.model, "seq": self.seq, "gpus": self.gpus, "device": self.device, "best": best,
                 "candidates": found}
@@ -141,11 +144,12 @@ def why(result: dict) -> str:
     if not fits:
         return "nothing fits: every candidate's peak exceeds the device memory (see the table)"
     best = fits[0]
-    text = (f"fastest candidate that fits: {best['step_seconds']:.3f} s per step, peak "
+    text = (f"the most tokens/s per device of the candidates that fit: "
+            f"{best['tokens_per_second_per_device']:.0f} ({best['step_seconds']:.3f} s per step), peak "
             f"{best['peak_memory_bytes'] / 2 ** 30:.1f} GiB")
     if len(fits) > 1:
-        slower = fits[1]["step_seconds"] / best["step_seconds"] - 1
-        text += f"; the next, {_mesh_text(fits[1])}, is {slower:.0%} slower"
+        slower = best["tokens_per_second_per_device"] / fits[1]["tokens_per_second_per_device"] - 1
+        text += f"; the next, {_mesh_text(fits[1])}, is {slower:.0%} slower per token"
     return text
 
 
