@@ -16,8 +16,8 @@ LB = {"ulysses_degree": 1, "load_balance": True}
 RING = {"ulysses_degree": 1, "kv_exchange": "ring"}
 ZIGZAG = {"ulysses_degree": 1, "load_balance": True, "kv_exchange": "ring"}
 # mode -> (style, kernel entries, also under attention_masks)
-MODES_2 = {"ulysses": (UL, ("sdpa", "permute", "variant"), True),
-           "allgather": (AG, ("sdpa", "scale", "variant"), True),
+MODES_2 = {"ulysses": (UL, ("sdpa", "permute", "scale", "variant"), True),
+           "allgather": (AG, ("sdpa", "variant"), True),
            "load_balance": (LB, ("sdpa",), False), "ring": (RING, ("permute",), True),
            "zigzag": (ZIGZAG, ("sdpa",), False)}
 MODES_4 = {"hybrid": ({"ulysses_degree": 2}, ("sdpa",), False),
