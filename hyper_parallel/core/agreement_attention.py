@@ -66,5 +66,19 @@ def agree_on_variant(is_causal: object, scale: object, softcap: object, window: 
                      sinks: object) -> None:
     """``hyper_parallel.attention``'s arguments inside a ContextParallel call, compared before any rank
     validates them (a rank whose arguments alone are invalid would raise alone, leaving its peers
-    waiting); ``sinks`` by presence and shape."""
-    _check({"is_causal": is_causal, "scale": scale, "softcap": softcap, "window": window, "sinks": sinks})
+    waiting); ``sinks`` by presence, shape and, where every rank holds all of it, a digest of its
+    values (each rank would otherwise fold its own sinks into the heads it computes)."""
+    from hyper_parallel.core.agreement import Deferred
+    _check({"is_causal": is_causal, "scale": scale, "softcap": softcap, "window": window, "sinks": sinks,
+            "sinks values": Deferred(lambda: _whole_digest(sinks))})
+
+
+def _whole_digest(tensor: Any) -> Optional[str]:
+    """A digest of ``tensor``'s values where every rank holds the whole of it (a plain tensor, or a
+    DTensor replicated on every mesh dim); a sharded DTensor's pieces differ legitimately, and its
+    layout is compared with its metadata."""
+    from hyper_parallel.core.agreement import tensor_digest
+    placements = getattr(tensor, "placements", None)
+    if placements is not None and not all(p.is_replicate() for p in placements):
+        return "sharded"
+    return tensor_digest(tensor)

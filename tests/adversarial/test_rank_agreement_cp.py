@@ -67,6 +67,7 @@ def _attention_cases():
         ("window", {"variant": {"is_causal": True, "window": 3}}, {"variant": {"is_causal": True}}, "window"),
         ("sinks", {"variant": {"sinks": "heads"}}, {"variant": {}}, "sinks"),
         ("sinks_shape", {"variant": {"sinks": "heads"}}, {"variant": {"sinks": "wrong"}}, "sinks"),
+        ("sinks_values", {"variant": {"sinks": "heads"}}, {"variant": {"sinks": "other"}}, "sinks values"),
         # the same NaN on every rank agrees, then is refused as a bad number on every rank
         ("softcap_nan_everywhere", {"variant": {"softcap": float("nan")}},
          {"variant": {"softcap": float("nan")}},
@@ -195,7 +196,8 @@ def _cases(rank, world_size, which, tmp=None):
                 mine["attn_mask"] = _mask(torch, mine["attn_mask"], n)
             variant = mine.pop("variant", None)
             if variant is not None and isinstance(variant.get("sinks"), str):
-                variant = dict(variant, sinks=torch.zeros(H if variant["sinks"] == "heads" else H + 1))
+                sinks = {"heads": torch.zeros(H), "wrong": torch.zeros(H + 1), "other": torch.ones(H)}
+                variant = dict(variant, sinks=sinks[variant["sinks"]])
             cell = _Attention(mine, variant)
             ContextParallel(ulysses_degree=1).apply(cell, mesh)
             q, k, v = _blocks(torch, world_size, rank, n)

@@ -142,9 +142,9 @@ def linear_attention(rank, world_size):
 
 
 def chunked_loss(rank, world_size):
-    """A vocab-parallel chunked_cross_entropy whose TP ranks disagree: options and shapes at the
-    first call of a combination; the labels' values only under HP_CHECK_RANKS=every (they change
-    every step: comparing them on every call would cost a message per step)."""
+    """A vocab-parallel chunked_cross_entropy whose TP ranks disagree: options, shapes and the
+    labels' values at the first call of a combination; the labels' values on every call only under
+    HP_CHECK_RANKS=every (they change every step: a digest per step would be a host read per step)."""
     from hyper_parallel import Shard, chunked_cross_entropy, distribute_tensor, init_device_mesh
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",), timeout=20)
     odd = rank == world_size - 1
@@ -163,7 +163,11 @@ def chunked_loss(rank, world_size):
                      "chunked_cross_entropy", "disagree on", name)
         _in_step(mesh, name)
     other = (labels + (1 if odd else 0)) % V
-    chunked_cross_entropy(hidden, weight, t(other))     # values unchecked by default: documented
+    # a new combination (hidden of 3 rows): its first call compares the labels' values too
+    expect_error(ValueError, lambda: chunked_cross_entropy(hidden[:3], weight, t(other[:3])), "labels values")
+    _in_step(mesh, "labels values at the first call")
+    chunked_cross_entropy(hidden, weight, t(labels))    # a verified combination: no exchange after it
+    chunked_cross_entropy(hidden, weight, t(other))     # later values unchecked by default: documented
     os.environ["HP_CHECK_RANKS"] = "every"
     try:
         expect_error(ValueError, lambda: chunked_cross_entropy(hidden, weight, t(other)), "labels values")

@@ -15,9 +15,10 @@ def agree_across_vocab_shards(hidden, weight, labels, chunk_size, ignore_index, 
     """With a vocab-sharded weight, every rank of its TP group computes part of the same loss, so
     they must pass the same arguments, hidden of one shape and the same labels: a ValueError on
     every rank otherwise (core/agreement.py), before any per-rank check could raise alone. The
-    arguments, shapes and dtypes are compared at the first call of each combination; the labels'
-    values change every step, so they are compared (a digest, read to the host) only under
-    ``HP_CHECK_RANKS=every``. Only the TP dim: data-parallel ranks hold other labels legitimately."""
+    arguments, shapes, dtypes and a digest of the labels' values (read to the host) are compared at
+    the first call of each combination, and the digest again on every call under
+    ``HP_CHECK_RANKS=every`` (labels change every step; a digest per step would be a host read per
+    step). Only the TP dim: data-parallel ranks hold other labels legitimately."""
     from hyper_parallel.core.agreement import Deferred, check_agreement, tensor_digest
     placements = getattr(weight, "placements", None)
     split = [m for m, p in enumerate(placements or ()) if p.is_shard()]
@@ -27,7 +28,7 @@ def agree_across_vocab_shards(hidden, weight, labels, chunk_size, ignore_index, 
     settings = {"chunk_size": chunk_size, "ignore_index": ignore_index, "reduction": reduction,
                 "hidden": local(hidden), "labels": local(labels),
                 "weight": (tuple(int(s) for s in weight.shape), tuple(str(p) for p in placements)),
-                "labels values": Deferred(lambda: tensor_digest(local(labels)), every_only=True)}
+                "labels values": Deferred(lambda: tensor_digest(local(labels)))}
     check_agreement(weight.device_mesh.get_group(split[0]), "chunked_cross_entropy", settings,
                     signature="vocab-parallel",
                     fix="every rank of the tensor-parallel group passes the same hidden states, labels and "
