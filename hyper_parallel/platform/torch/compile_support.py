@@ -17,6 +17,7 @@ Gradients therefore are those of eager mode: each parameter's ``.grad`` is a DTe
 layout. ``torch.compile(module)`` written directly still works, with a graph break at each
 DTensor call (``dtensor_base.py`` runs those eagerly); ``compile_module`` is the no-break path.
 """
+import enum
 import functools
 import types
 import warnings
@@ -60,16 +61,21 @@ class _Signature:
         shapes are read while tracing, so each key gets its own graph (no shape-polymorphic reuse)."""
         tensors = tuple((tuple(leaves[i].shape), leaves[i].dtype, leaves[i].requires_grad)
                         for i in self.slots)
-        # an unhashable constant is keyed by identity; the signature holds it, so the id stays its own
-        return (self.spec, tuple(_hashable(c) for c in self.constants), tuple(self.layouts), tensors)
+        return (self.spec, tuple(self.constants), tuple(self.layouts), tensors)
 
 
-def _hashable(value):
-    try:
-        hash(value)
-        return value
-    except TypeError:
-        return ("unhashable", id(value))
+_CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+                   torch.memory_format, torch.layout, enum.Enum)
+
+
+def _mutable_argument(leaves):
+    """The first non-tensor argument that is not a plain immutable value (a KV cache, a user
+    object), or None. The trace bakes such a value in and would mutate it only once, at trace time:
+    a call carrying one runs eagerly."""
+    for value in leaves:
+        if not isinstance(value, (torch.Tensor,) + _CONSTANT_TYPES):
+            return value
+    return None
 
 
 class CompiledParallelModule:
@@ -82,6 +88,7 @@ class CompiledParallelModule:
         self.compile_kwargs = compile_kwargs
         self.compiled: Dict[Any, Callable] = {}
         self._last = None
+        self._warned = set()
 
     def _state(self):
         return dict(self.module.named_parameters(remove_duplicate=False)), \
@@ -105,6 +112,14 @@ class CompiledParallelModule:
         return entry, flat_in
 
     def __call__(self, *args, **kwargs):
+        mutable = _mutable_argument(tree_flatten((args, kwargs))[0])
+        if mutable is not None:
+            if type(mutable) not in self._warned:
+                self._warned.add(type(mutable))
+                warnings.warn(f"compile_module: {type(self.module).__name__} runs eagerly when called with a "
+                              f"{type(mutable).__name__} argument (state a compiled graph would update only "
+                              f"while tracing); docs/compile.md")
+            return self.forward(*args, **kwargs)
         entry, flat_in = self._prepare(args, kwargs)
         signature, _, fn, state = entry
         if state["eager"] is not None:
