@@ -19,6 +19,7 @@ REFUSED = {
                        "before fully_shard replaced it",
     "replaced": "fully_shard: parameter 'head.weight' now holds a Parameter of shape (3, 10), not the "
                 "sharded parameter fully_shard installed",
+    "added": "fully_shard: parameter 'blocks.1.extra' of Net was added after fully_shard: it is not sharded",
     "submodule_alone": "fully_shard: Linear computes with parameters of the Net unit, which are not "
                        "gathered: it was called outside that unit's forward",
     "shapes_differ": "fully_shard: the ranks of DeviceMesh",
@@ -136,6 +137,8 @@ def _refused(case, rank, world_size):
     model = fm.shard_net(model, mesh)
     if case == "replaced":
         model.head.weight = torch.nn.Parameter(torch.zeros(3, 10))
+    if case == "added":   # each rank would keep its own gradient of it
+        model.blocks[1].extra = torch.nn.Parameter(torch.ones(3))
     x = fm.batch(0, rank)
     if case == "submodule_alone":
         return model.head(model.blocks[0](model.inp(x)))

@@ -74,6 +74,7 @@ class FSDPState:
         """Root, each forward: what the user changed since wrapping (wrap_state.py); a change, the
         first forward and every forward under HP_CHECK_RANKS=every are checked across the ranks."""
         changed = [s.group.sync_with_module() for s in self.schedule.states]
+        wrap_state.check_no_new_parameters(self.module, self.schedule.states)
         if any(changed):
             self._register_grad_hooks()
         if any(changed) or not self._synced or check_every():

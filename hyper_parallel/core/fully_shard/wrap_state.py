@@ -164,6 +164,20 @@ def sync_param(p: object, sharded_now: bool, may_retype: bool) -> bool:
     return changed
 
 
+def check_no_new_parameters(root: object, states: list) -> None:
+    """A Parameter added under the root after wrapping (a new attribute of a wrapped module) would be
+    neither sharded, gathered nor reduced: each rank would keep its own gradient and the replicas
+    would drift. Every parameter under the root is one a unit manages (its sharded or gathered
+    form) or a DTensor another parallelism placed (tensor or expert parallel)."""
+    known = {id(t) for s in states for p in s.group.params for t in (p.sharded, p.unsharded)}
+    for name, param in get_platform().named_parameters(root, recurse=True):
+        if id(param) not in known and not isinstance(param, DTensor):
+            raise ValueError(
+                f"fully_shard: parameter '{name}' of {type(root).__name__} was added after fully_shard: it is "
+                f"not sharded, gathered or reduced, so each rank would train its own copy. Add parameters "
+                f"before fully_shard (build the module, then wrap it)")
+
+
 def agree(mesh: object, states: list, schedule: object) -> None:
     """The units' parameters (shapes, dtypes, requires_grad) and unit order agree on every rank."""
     settings = {"number of fully_shard units": len(states),
