@@ -97,15 +97,14 @@ class StepTracker(TorchDispatchMode):
         if self.live_bytes <= self.peak_bytes:
             return
         # resizes nobody dispatched (fully_shard's free / refill): re-read every live storage
-        total = 0
-        for entry in self._live.values():
+        # a copy: a storage may die (its weakref callback pops it) while this loop runs (gc)
+        for entry in list(self._live.values()):
             storage = entry[0]()
             entry[1] = storage.nbytes() if storage is not None else 0
-            total += entry[1]
-        self.live_bytes = total
+        total = self.live_bytes = sum(entry[1] for entry in list(self._live.values()))
         if total > self.peak_bytes:
             self.peak_bytes = total
-            self._peak = [tuple(entry) for entry in self._live.values() if entry[1]]
+            self._peak = [tuple(entry) for entry in list(self._live.values()) if entry[1]]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
