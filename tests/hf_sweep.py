@@ -1,6 +1,6 @@
 """Every causal-LM architecture transformers registers, under ``parallelize_model`` context parallelism.
 
-    python -m tests.hf_sweep --write docs/hf_families.md          # the whole sweep (CP 2 and 4), the docs table
+    python -m tests.hf_sweep --ropes --cp4 --write docs/hf_families.md   # the whole sweep, the docs table
     python -m tests.hf_sweep llama opt roberta --modes ulysses     # some types, printed
 
 For each type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: a tiny random config (the config class's
@@ -10,7 +10,7 @@ under ``parallelize_model`` on a "cp" mesh, in each CP mode, against the same mo
 logits (gathered) and every parameter gradient (summed over ranks) to fp32 1e-5. Verdicts:
 
 - ``exact``: equal;
-- ``refused``: ``parallelize_model`` (or, marked, the first call) raised a ValueError; the reason is its message;
+- ``refused``: ``parallelize_model`` (or, marked, the first call) raised a ValueError naming the reason;
 - ``silent``: it ran and differs (the defect this sweep exists to find);
 - ``obscure``: any other error under CP (not a clear refusal);
 - ``not text-only`` / ``no tiny config``: the model cannot run on token ids alone in one process, or the
@@ -38,7 +38,8 @@ ROPE_TYPES = {"default": {}, "linear": {"factor": 2.0}, "dynamic": {"factor": 2.
 _SIZES = [
     (("hidden_size", "d_model", "n_embd", "hidden_dim", "dim", "embed_dim", "model_dim", "d_embed",
       "word_embed_proj_dim", "embedding_size"), 32),
-    (("intermediate_size", "ffn_dim", "d_ff", "n_inner", "decoder_ffn_dim", "encoder_ffn_dim", "ffn_hidden_size",
+    (("intermediate_size", "ffn_dim", "d_ff", "n_inner", "decoder_ffn_dim", "encoder_ffn_dim",
+      "ffn_hidden_size",
       "inner_hidden_size", "hidden_ff_size"), 64),
     (("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 16),
     (("num_hidden_layers", "n_layer", "num_layers", "decoder_layers", "encoder_layers", "n_layers"), 2),
@@ -58,7 +59,8 @@ _SIZES = [
 ]
 _ZERO = ("dropout", "dropout_rate", "attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop",
          "embd_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob", "activation_dropout",
-         "classifier_dropout", "layerdrop", "decoder_layerdrop", "encoder_layerdrop", "attention_dropout_prob")
+         "classifier_dropout", "layerdrop", "decoder_layerdrop", "encoder_layerdrop",
+         "attention_dropout_prob")
 
 
 def causal_lm_types():
@@ -80,8 +82,10 @@ def _overrides(defaults):
     out.update((n, WINDOW) for n in ("sliding_window", "attention_chunk_size") if n in defaults)
     special = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
                "cls_token_id", "mask_token_id", "unk_token_id")
-    out.update((n, i % 16) for i, n in enumerate(special) if isinstance(defaults.get(n), int) and defaults[n] >= VOCAB)
-    out.update((n, 0.0) for n in _ZERO if isinstance(defaults.get(n), float))
+    out.update((n, i % 16) for i, n in enumerate(special)
+               if isinstance(defaults.get(n), int) and defaults[n] >= VOCAB)
+    out.update((n, 0.0) for n, v in defaults.items()   # every dropout: the two runs must not draw
+               if isinstance(v, float) and (n in _ZERO or "dropout" in n or "pdrop" in n))
     out.update((n, v) for n, v in _FLAGS.items() if n in defaults and type(defaults[n]) is type(v))
     if "qk_rope_head_dim" in out and "head_dim" in out:   # MLA: head_dim is the rope part
         out["head_dim"] = out["qk_rope_head_dim"]
@@ -111,9 +115,9 @@ def _rope(config, rope_type):
     if not isinstance(params, dict) or "rope_type" not in params:
         return None
     extra = ROPE_TYPES[rope_type]
-    if extra is None:   # longrope: one factor per rotary frequency, the long ones used past the original length
-        dim = int(params.get("partial_rotary_factor", 1.0) * (getattr(config, "head_dim", None) or
-                                                              config.hidden_size // config.num_attention_heads))
+    if extra is None:   # longrope: a factor per rotary frequency, the long ones past the original length
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dim = int(params.get("partial_rotary_factor", 1.0) * head_dim)
         extra = {"short_factor": [1.0] * (dim // 2), "long_factor": [2.0 + i for i in range(dim // 2)],
                  "original_max_position_embeddings": 8}
     config.rope_parameters = dict(params, rope_type=rope_type, **extra)
@@ -127,7 +131,8 @@ def tiny(model_type, rope_type="default"):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     config_class = CONFIG_MAPPING[model_type]
     defaults = config_class()
-    text_key = next((k for k in ("text_config", "decoder") if isinstance(defaults.to_dict().get(k), dict)), None)
+    nested = defaults.to_dict()
+    text_key = next((k for k in ("text_config", "decoder") if isinstance(nested.get(k), dict)), None)
     config = _build(config_class, text_key)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if _rope(text, rope_type) is None:
@@ -149,13 +154,15 @@ def _reference(model, ids, labels):
     count = (labels != -100).sum()
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / count
     loss.backward()
-    return logits.detach(), {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    return logits.detach(), grads
 
 
 def _batch(vocab):
     import torch
     g = torch.Generator().manual_seed(7)
-    low = min(16, vocab // 2)   # above the special tokens (a pad id inside the batch changes RoBERTa's positions)
+    # above the special tokens (a pad id inside the batch changes RoBERTa's positions)
+    low = min(16, vocab // 2)
     ids = torch.randint(low, vocab, (B, S), generator=g)
     return ids, torch.cat([ids[:, 1:], torch.full((B, 1), -100)], 1)
 
@@ -248,7 +255,7 @@ def sweep_worker(rank, world_size, cases):
 
 
 def _log(cases, results):
-    """Append the verdicts to $HP_SWEEP_LOG (one JSON line per case), so a long sweep can be merged or resumed."""
+    """Append the verdicts to $HP_SWEEP_LOG (a JSON line per case): a long sweep can be merged, resumed."""
     import json
     import os
     path = os.environ.get("HP_SWEEP_LOG")
@@ -282,7 +289,8 @@ def run_cases(cases, world_size=2, batch=8, timeout=600):
     return results
 
 
-VERDICTS = ("exact", "refused", "refused at call", "silent", "obscure", "not text-only", "no tiny config")
+VERDICTS = ("exact", "refused", "refused at call", "silent", "obscure", "not text-only", "no tiny config",
+            "not run")
 
 
 def table(results):
@@ -315,14 +323,24 @@ def main(argv=None):
     parser.add_argument("--cp4", action="store_true", help="also CP 4 (allgather-lb)")
     parser.add_argument("--write", help="write the markdown table to this file")
     parser.add_argument("--json", help="also dump every case's verdict to this file")
+    parser.add_argument("--from-log", nargs="*", help="tabulate these $HP_SWEEP_LOG files instead of running")
     args = parser.parse_args(argv)
     types = args.types or causal_lm_types()
     modes = args.modes.split(",")
     cases = [(t, "default", m) for t in types for m in modes]
     if args.ropes:
         cases += [(t, r, modes[0]) for t in types for r in ROPE_TYPES if r != "default"]
-    results = run_cases(cases)
-    if args.cp4:
+    if args.from_log:
+        import json
+        results = {}
+        for path in args.from_log:
+            with open(path) as log:
+                results.update((tuple(c), tuple(v)) for c, v in map(json.loads, log))
+        missing = sorted(set(types) - {case[0] for case in results})
+        results.update(((t, "default", "-"), ("not run", "not reached in this sweep")) for t in missing)
+    else:
+        results = run_cases(cases)
+    if args.cp4 and not args.from_log:
         results.update({(t, r, m + "@4"): v for (t, r, m), v in
                         run_cases([(t, "default", "allgather-lb") for t in types], world_size=4).items()})
     if args.json:
@@ -336,21 +354,25 @@ def main(argv=None):
     print(summary)
     if args.write:
         with open(args.write, "w") as out:
-            out.write(_DOC_HEAD.format(summary=summary, modes=", ".join(modes)) + "\n".join(lines) + "\n")
+            command = " ".join(a for a in (argv if argv is not None else sys.argv[1:]) if "jsonl" not in a)
+            out.write(_DOC_HEAD.format(summary=summary, modes=", ".join(modes), command=command)
+                      + "\n".join(lines) + "\n")
 
 
 _DOC_HEAD = """# Hugging Face causal LMs under context parallelism
 
-Generated by `python -m tests.hf_sweep --ropes --cp4 --write docs/hf_families.md` (tests/hf_sweep.py): every
-type in transformers' `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, a tiny random config (hidden 32, 2 layers,
-4 heads, vocabulary 128, windows and chunks of 5 on a 16-token sequence), one forward + backward under
-`parallelize_model` on CP 2 (modes: {modes}; every rope_type the config takes, Ulysses; CP 4 all-gather
-with load balance) against one process: logits and every parameter gradient to fp32 1e-5.
+Generated by `python -m tests.hf_sweep {command}` (tests/hf_sweep.py): every type in transformers'
+`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, a tiny random config (the config class's defaults shrunk: hidden
+32, 2 layers, 4 heads, vocabulary 128, one layer of each layer type, every sliding window and chunk 5
+on a 16-token sequence, dropout 0), one forward + backward of a 2-row batch under `parallelize_model`
+on CP 2 in the modes {modes} against one process: logits and every parameter gradient to fp32 1e-5.
+`--modes`, `--ropes` (every rope_type the config takes) and `--cp4` widen the sweep.
 
 Verdicts: **exact**; **refused** (a ValueError naming the reason at `parallelize_model`, or
 *at call*: at the first forward); **silent** (ran and differs: a defect); **obscure** (another error: a
 defect); **not text-only** (the model does not run on token ids alone in one process); **no tiny
-config** (the shrunk config does not build).
+config** (the shrunk config does not build: the sweep's shrinking, not context parallelism, fails);
+**not run**.
 
 Summary (worst verdict per architecture): {summary}.
 
