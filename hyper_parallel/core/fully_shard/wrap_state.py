@@ -173,8 +173,8 @@ def check_no_new_parameters(root: object, states: list) -> None:
     for name, param in get_platform().named_parameters(root, recurse=True):
         if id(param) not in known and not isinstance(param, DTensor):
             raise ValueError(
-                f"fully_shard: parameter '{name}' of {type(root).__name__} was added after fully_shard: it is "
-                f"not sharded, gathered or reduced, so each rank would train its own copy. Add parameters "
+                f"fully_shard: parameter '{name}' of {type(root).__name__} was added after fully_shard: it "
+                f"is not sharded, gathered or reduced, so each rank would train its own copy. Add parameters "
                 f"before fully_shard (build the module, then wrap it)")
 
 
