@@ -8,8 +8,8 @@ unit's backward is over, and it launches the unit's reduce-scatter and frees its
 point is the same on every rank, where "every parameter has its gradient" is not (data decides it:
 an MoE expert a rank routed nothing to), and the ranks' reduce-scatters must meet in one order.
 A unit whose inputs need no gradient (the root, a first layer) or that ran without them is
-reduced at the end of backward. The root (the outermost unit that runs) everything lazily on its first forward (after ``to_empty``) and, at the end of every
-backward, launches what is left, waits for the reductions and hands out the sharded gradients.
+reduced at the end of backward. The root (the outermost unit that runs) initialises everything
+lazily on its first forward (after ``to_empty``) and, at the end of every backward, launches what is left, waits for the reductions and hands out the sharded gradients.
 Its forward first re-reads what the user may have changed since wrapping (wrap_state.py), and
 every unit's forward checks that the ranks run the same unit and call.
 """
