@@ -9,9 +9,10 @@ point is the same on every rank, where "every parameter has its gradient" is not
 an MoE expert a rank routed nothing to), and the ranks' reduce-scatters must meet in one order.
 A unit whose inputs need no gradient (the root, a first layer) or that ran without them is
 reduced at the end of backward. The root (the outermost unit that runs) initialises everything
-lazily on its first forward (after ``to_empty``) and, at the end of every backward, launches what is left, waits for the reductions and hands out the sharded gradients.
-Its forward first re-reads what the user may have changed since wrapping (wrap_state.py), and
-every unit's forward checks that the ranks run the same unit and call.
+lazily on its first forward (after ``to_empty``) and, at the end of every backward, launches
+what is left, waits for the reductions and hands out the sharded gradients. Its forward first
+re-reads what the user may have changed since wrapping (wrap_state.py), and every unit's forward
+checks that the ranks run the same unit and call.
 """
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.dtensor.dispatch.tree import tree_flatten
