@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from hyper_parallel.core.context_parallel.overlap.pipeline import pipeline_observer
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.integrations.hf_mask_probe import CAUSAL
 from hyper_parallel.platform import get_platform
 
 _KNOWN = ("LlamaAttention", "Qwen2Attention", "Qwen3Attention", "MistralAttention")
@@ -76,7 +75,10 @@ class PipelinedAttention:
         cache = bound["cache"] if bound["cache"] is not None else kwargs.get("past_key_values")
         module = self.module
         dropout = module.attention_dropout if module.training else 0.0
-        plain = self.state.restriction(module, bound["attention_mask"]) == CAUSAL   # no window / chunks
+        # the model's mask restricts nothing beyond causality here (a window as long as the sequence is none)
+        restriction = self.state.restriction(module, bound["attention_mask"])
+        total = bound["hidden_states"].shape[1] * self.state.mesh.size()
+        plain = restriction.causal and restriction.chunk is None and (restriction.window or total) >= total
         if (len(args) > len(names) or not plain or cache is not None or dropout
                 or self.state.masks_for(kwargs) is not None or bound["position_embeddings"] is None
                 or isinstance(bound["hidden_states"], DTensor)
