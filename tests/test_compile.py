@@ -348,8 +348,9 @@ def test_fully_shard_and_data_parallel_with_compiled_blocks():
 @pytest.mark.compile_full
 @pytest.mark.timeout(900)      # four spawned ranks compiling two layers each: minutes on a loaded machine
 def test_example_compile_matches_one_process():
-    """examples/train_llama_hf.py --compile under fully_shard x TP: parallelize_model(compile=...)
-    after TP and before fully_shard's hooks; every step's loss equals one process (--check)."""
+    """examples/train_llama_hf.py --compile under fully_shard x TP: every step's loss equals one
+    process (--check). The example's mesh has a cp dim, so its layers get MaskSpec masks and run
+    eagerly for now (docs/compile.md, Known limits): this checks the wiring, not compiled code."""
     pytest.importorskip("transformers")
     from tests.test_fully_shard_examples import TINY, _assert_checked, _run
     _assert_checked(_run("train_llama_hf.py", "--cp", "1", "--tp", "2", "--dp-shard", "2", "--compile",
