@@ -117,7 +117,9 @@ def _host_array(tensor: Any) -> np.ndarray:
             return local.asnumpy()
         except TypeError:                   # bfloat16: numpy has none
             return local.astype(np.float32).asnumpy()
-    local = local.detach().cpu()
+    # a copy: numpy() on the tensor itself would pin its storage (no longer resizable), and
+    # fully_shard frees a gathered parameter by resizing its storage to 0
+    local = local.detach().cpu().clone()
     try:
         return local.numpy()
     except TypeError:

@@ -62,6 +62,15 @@ def agree_on_attention(call: Any) -> None:
         _check(_sdpa_settings(call))
 
 
+def agree_on_repeated_attention(call: Any) -> None:
+    """A call whose sharding decision was cached skips the rule, and with it ``agree_on_attention``:
+    under ``HP_CHECK_RANKS=every`` the dispatcher calls this instead, so every call is compared."""
+    if call.name == "sdpa" and _CALL.get() is not None:
+        from hyper_parallel.core.agreement import check_every
+        if check_every():
+            _check(_sdpa_settings(call))
+
+
 def agree_on_variant(is_causal: object, scale: object, softcap: object, window: object,
                      sinks: object) -> None:
     """``hyper_parallel.attention``'s arguments inside a ContextParallel call, compared before any rank

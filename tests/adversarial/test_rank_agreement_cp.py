@@ -268,8 +268,7 @@ def _steady_counts(torch, world_size, rank):
         with CommDebugMode() as every:
             cell(q, k, v)
         assert every.get_comm_counts().get("shape_check", 0) >= 2, every.get_comm_counts()
-        # hyper_parallel.attention's settings: agreed once, then one rank alone changes softcap. (sdpa's
-        # are re-compared only when the dispatcher re-evaluates its rule: agreement_attention.py)
+        # hyper_parallel.attention's settings: agreed once, then one rank alone changes softcap
         cap = [_Attention(variant={"softcap": 20.0 if rank != world_size - 1 or i == 0 else 30.0})
                for i in range(2)]
         for c in cap:
@@ -277,6 +276,16 @@ def _steady_counts(torch, world_size, rank):
         cap[0](q, k, v)
         _expect(lambda: cap[1](q, k, v), "disagree on softcap", "one-sided change under every")
         _in_step(torch, mesh, "one-sided change")
+        # sdpa's: the same module called again, its decision cached; one rank alone changes scale
+        kwargs = {"is_causal": True}
+        same = _Attention(kwargs)
+        ContextParallel(ulysses_degree=1).apply(same, mesh)
+        same(q, k, v)
+        same(q, k, v)
+        if rank == world_size - 1:
+            kwargs["scale"] = 0.3
+        _expect(lambda: same(q, k, v), "disagree on scale", "one-sided sdpa change under every")
+        _in_step(torch, mesh, "one-sided sdpa change")
     finally:
         os.environ.pop("HP_CHECK_RANKS", None)
     return True

@@ -14,6 +14,7 @@ any backward op.
 import functools
 import inspect
 
+from hyper_parallel.core.agreement_attention import agree_on_repeated_attention
 from hyper_parallel.core.bounded_cache import BoundedCache
 from hyper_parallel.core.dtensor.dispatch import decision_cache
 from hyper_parallel.core.dtensor.aten import writeback
@@ -200,6 +201,7 @@ def _decide(call, rule, interceptor, leaves, structure):
                                        get_platform().is_tensor, DTensor)
         found = decision_cache.lookup(key)
         if found is not None:
+            agree_on_repeated_attention(call)   # HP_CHECK_RANKS=every: the rule's check, every call
             call.set_out_shapes(found[1])
             return found[0]
     decision_cache.STATS["rule_evaluations"] += 1
