@@ -195,18 +195,21 @@ def _min_max(mesh_or_group: Any, vector: list) -> tuple:
 
 
 def check_agreement(mesh_or_group: Any, feature: str, settings: Mapping[str, object], *,
-                    signature: Optional[Hashable] = None, fix: Optional[str] = None) -> None:
+                    signature: Optional[Hashable] = None, fix: Optional[str] = None,
+                    once: bool = True) -> None:
     """ValueError on every rank of ``mesh_or_group`` (a DeviceMesh or a process group) unless
     every rank passes the same ``settings`` for ``feature``. Exchanges one small fixed-length
     message at the first call of each (feature, mesh, signature, eager settings) key, and on
     every call under ``HP_CHECK_RANKS=every`` (schedule and its limits: module docstring).
     ``signature``: what else distinguishes the call site (e.g. ``lifetime_key(style)``, shapes);
-    ``fix``: the sentence telling the user what to do, appended to the error."""
+    ``fix``: the sentence telling the user what to do, appended to the error. ``once=False``: on
+    every call (setup-time checks, run once per wrapped module: a key verified for another module
+    must not let ranks that now disagree pass)."""
     if _peers(mesh_or_group) <= 1:
         return
     every = check_every()
     key = (feature, _group_key(mesh_or_group), signature, _key_fields(settings))
-    if not every and key in _VERIFIED:
+    if once and not every and key in _VERIFIED:
         return
     vector, names, shown = _encode(feature, settings, every)
     mins, maxs = _min_max(mesh_or_group, vector)

@@ -18,7 +18,7 @@ re-checked even in that mode (its settings were compared when the decision was m
 """
 import contextlib
 import contextvars
-from typing import Any, Iterator, Optional
+from typing import Any, Hashable, Iterator, Optional
 
 _CALL: contextvars.ContextVar[Optional[tuple]] = contextvars.ContextVar(
     "hp_agreement_attention_call", default=None)
@@ -27,9 +27,10 @@ _FIX = ("call the attention with the same arguments on every rank (is_causal, sc
 
 
 @contextlib.contextmanager
-def attention_call(mesh: Any, label: str) -> Iterator[None]:
-    """Mark a ContextParallel call on ``mesh`` (its working mesh) for the attention kernel inside."""
-    token = _CALL.set((mesh, label))
+def attention_call(mesh: Any, label: str, site: Optional[Hashable] = None) -> Iterator[None]:
+    """Mark a ContextParallel call on ``mesh`` (its working mesh) for the attention kernel inside;
+    ``site`` tells one call site's verified settings from another's."""
+    token = _CALL.set((mesh, label, site))
     try:
         yield
     finally:
@@ -50,8 +51,9 @@ def _check(settings: dict) -> None:
     if active is not None:
         # deferred: the dtensor package imports this module while it loads (ops/attention.py)
         from hyper_parallel.core.agreement import check_agreement
-        mesh, label = active
-        check_agreement(mesh, f"{label}: the attention call", settings, signature="attention", fix=_FIX)
+        mesh, label, site = active
+        check_agreement(mesh, f"{label}: the attention call", settings, signature=("attention", site),
+                        fix=_FIX)
 
 
 def agree_on_attention(call: Any) -> None:

@@ -250,7 +250,7 @@ def run_attention(style, cp_mesh, qkv, call):
 
 def run_prepared(style, inputs, ulysses_dims, gather_dims, masks, call):
     """The call in its mode, from ``prepare``'s checked inputs: the caller's output."""
-    call = agreeing(inputs.mesh, call)
+    call = agreeing(inputs.mesh, call, lifetime_key(style))
     if masks is not None and not (style.kv_exchange == "ring" and gather_dims):
         call = with_masks(masks, call, inputs.seq, _label(style))
     if style.kv_exchange == "ring" and gather_dims:
@@ -270,10 +270,11 @@ def run_prepared(style, inputs, ulysses_dims, gather_dims, masks, call):
     return deliver(style, inputs, *to_caller(out, inputs, ulysses_dims))
 
 
-def agreeing(mesh, call):
-    """``call`` with its attention kernel told to compare its settings across ``mesh``'s ranks."""
+def agreeing(mesh, call, site):
+    """``call`` with its attention kernel told to compare its settings across ``mesh``'s ranks;
+    ``site`` (the style's lifetime key) keeps one module's verified settings from covering another's."""
     def agreed(*args, **kwargs):
-        with attention_call(mesh, "ContextParallel"):
+        with attention_call(mesh, "ContextParallel", site):
             return call(*args, **kwargs)
     return agreed
 

@@ -84,7 +84,8 @@ class ContextParallel(ParallelStyle):
     def apply(self, module, device_mesh):
         # before _cp_mesh creates the hybrid's groups: a rank with another ulysses_degree would
         # otherwise create groups its peers never create, and wait there
-        check_agreement(device_mesh, "ContextParallel", style_settings(self), fix=_APPLY_FIX)
+        check_agreement(device_mesh, "ContextParallel", style_settings(self), fix=_APPLY_FIX,
+                        once=False)
         mesh = self._cp_mesh(device_mesh)
         get_platform().replace_forward(module, lambda original: self._make_forward(module, original, mesh))
         return module

@@ -11,6 +11,7 @@ Calls whose moves do not split (masks, load balancing, the ring, a q DTensor on 
 layouts that need several collectives in one stage) run whole at ``start``; ``finish`` returns
 their output. The values are those of an ordinary call either way.
 """
+from hyper_parallel.core.bounded_cache import lifetime_key
 from hyper_parallel.core.context_parallel.mode import agreeing, deliver, prepare, run_prepared
 from hyper_parallel.core.context_parallel.output import first_output, to_caller
 from hyper_parallel.core.context_parallel.overlap.pipeline import start_whole
@@ -36,7 +37,7 @@ def _splittable(style, inputs, gather_dims, masks):
 def start_call(style, cp_mesh, qkv, call):
     """``call(q, k, v)`` (the module, on DTensors in the mode's layout) as a ``PendingAttention``."""
     inputs, ulysses_dims, gather_dims, masks = prepare(style, cp_mesh, qkv)
-    call = agreeing(inputs.mesh, call)   # the attention kernel's settings compared across the ranks
+    call = agreeing(inputs.mesh, call, lifetime_key(style))   # the kernel's settings compared across ranks
     pipe = None
     if _splittable(style, inputs, gather_dims, masks):
         pipe = start_whole(inputs, ulysses_dims, gather_dims)
