@@ -13,6 +13,7 @@ any backward op.
 """
 import functools
 import inspect
+from typing import Any, Callable, Dict, Optional, Sequence
 
 from hyper_parallel.core.agreement_attention import agree_on_repeated_attention
 from hyper_parallel.core.bounded_cache import BoundedCache
@@ -29,7 +30,7 @@ from hyper_parallel.core.dtensor.dispatch.tree import tree_flatten, tree_unflatt
 from hyper_parallel.platform import get_platform
 
 
-def common_mesh(leaves, op_name):
+def common_mesh(leaves: Sequence[Any], op_name: str) -> Any:
     mesh = None
     for leaf in leaves:
         if isinstance(leaf, DTensor):
@@ -41,7 +42,7 @@ def common_mesh(leaves, op_name):
     return mesh
 
 
-def promote_plain(leaf, mesh):
+def promote_plain(leaf: Any, mesh: Any) -> Any:
     """A plain tensor beside DTensors is taken as replicated (0-dim ones stay scalars)."""
     if get_platform().is_tensor(leaf) and not isinstance(leaf, DTensor) and leaf.ndim > 0:
         spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tuple(leaf.shape))
@@ -49,7 +50,7 @@ def promote_plain(leaf, mesh):
     return leaf
 
 
-def input_grad_placements(placements, replicated_out):
+def input_grad_placements(placements: Sequence[Any], replicated_out: Any) -> Any:
     out = []
     for m, p in enumerate(placements):
         if p.is_partial():
@@ -61,7 +62,7 @@ def input_grad_placements(placements, replicated_out):
     return tuple(out)
 
 
-def ensure_leaf_grad_layout(dtensor):
+def ensure_leaf_grad_layout(dtensor: Any) -> None:
     """A leaf's gradient takes the leaf's own placements (PyTorch DTensor semantics), although the
     ops that use it may hand back Partial pieces; converting once, after the engine has summed
     every contribution, costs one reduction per backward instead of one per use."""
@@ -91,7 +92,7 @@ def _meta_key(func, leaves, structure):
     return tuple(key)
 
 
-def meta_outputs(func, args, kwargs):
+def meta_outputs(func: Callable, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
     """Global shapes of every tensor output, from running ``func`` once on meta tensors (cached:
     a meta run of a composite op costs milliseconds, a training loop repeats the same calls)."""
     leaves, structure = tree_flatten((args, kwargs))
@@ -143,7 +144,8 @@ def _asks_in_place(func, args, kwargs):
     return pos is not None and len(args) > pos and bool(args[pos])
 
 
-def dispatch_function(name, func, args, kwargs, record=None):
+def dispatch_function(name: str, func: Callable, args: Sequence[Any], kwargs: Dict[str, Any],
+                      record: Optional[Callable] = None) -> Any:
     """``record(args, targets, out_placements, result)``: called (by fast_path.py) when the call
     qualifies for the fast path: see ``_fast_eligible``."""
     leaves, structure = tree_flatten((args, kwargs))
