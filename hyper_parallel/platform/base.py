@@ -183,17 +183,6 @@ class Platform(TrainingLoopContract, SplitCollectivesContract, LinearAlgebraCont
     def peak_memory_bytes(self):
         """Peak device memory; on CPU the process's peak resident set."""
 
-    def is_fake(self, tensor):
-        """Whether ``tensor`` has shapes but no values (torch's FakeTensorMode, used by the dry run of
-        hyper_parallel.plan): a host read of it cannot happen. Frameworks without fake tensors: False."""
-        return False
-
-    def compile_module(self, module, **compile_kwargs):
-        """Compile ``module`` in place, its DTensor dispatch and collectives inside one graph
-        (torch: compile_support.py, docs/compile.md). Frameworks without such a compiler refuse."""
-        raise ValueError(f"compile=True: the {self.name} platform has no compiler path for parallelized "
-                         f"modules (docs/compile.md); leave compile off")
-
     @abc.abstractmethod
     def manual_seed(self, seed):
         """Seed the framework's random generator."""
