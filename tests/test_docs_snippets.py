@@ -7,7 +7,8 @@
   (MindSpore workers), ``continues`` (appended to the file's previous python block: the chain runs
   once, as one program), ``file=PATH`` (an excerpt: its lines must appear in PATH),
   ``tested-by=TEST`` (a step of a worked example that TEST, which reads this doc, runs in context),
-  ``norun=REASON`` (REASON from NORUN: hardware this machine lacks; the block must still parse).
+  ``norun=REASON`` (REASON from NORUN: hardware this machine lacks, or a block that must be a
+  process of its own; the block must still parse).
 * ```bash blocks and inline `commands` are not run (they install, build environments or run for
   minutes); each command is checked instead: the module / script / file it names exists (or is a
   script a python block of the same doc says to save), every ``--flag`` is one its ``--help``
@@ -31,7 +32,10 @@ from tests.harness.frameworks import run_on
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-NORUN = {"npu": "needs an Ascend NPU with CANN and torch_npu"}
+NORUN = {"npu": "needs an Ascend NPU with CANN and torch_npu",
+         # the dry run makes its process rank r of N on PyTorch's fake backend: a worker of the pools
+         # already has a process group (tests/test_plan_*.py run dry_run in processes of their own)
+         "own-process": "initialises a process group of its own (the dry run's fake backend)"}
 TIMEOUT_S = 300
 _FENCE = re.compile(r"^```(\w*)[ \t]*(.*)$")
 _INLINE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
@@ -166,7 +170,8 @@ def _target(where, words):
     """What a python / torchrun / msrun command runs: (module or script, whether it is ours to --help)."""
     if "-m" in words:
         target = words[words.index("-m") + 1]
-        assert target == "pytest" or (ROOT / target.replace(".", "/")).with_suffix(".py").exists(), \
+        path = ROOT / target.replace(".", "/")
+        assert target == "pytest" or path.with_suffix(".py").exists() or (path / "__main__.py").exists(), \
             f"{where}: no module {target} in this checkout"
         return target, target != "pytest"
     scripts = [w for w in words[1:] if w.endswith(".py")]
