@@ -7,6 +7,7 @@ forwarders, the differentiable collectives) or to a framework lacking the concep
 """
 import abc
 import threading
+from typing import Any, Callable, Dict, Optional
 from hyper_parallel.platform.handles import AsyncHandle, CompletedHandle  # noqa: F401  (re-exported)
 from hyper_parallel.platform.training_contract import TrainingLoopContract, unavailable as _unavailable
 from hyper_parallel.platform.split_collectives import SplitCollectivesContract
@@ -35,28 +36,29 @@ class Platform(TrainingLoopContract, SplitCollectivesContract, LinearAlgebraCont
         self._observer_lock = threading.Lock()
 
     # ---------------------------------------------------------------- communication accounting
-    def add_comm_observer(self, observer):
+    def add_comm_observer(self, observer: Callable[[str, int, tuple], None]) -> None:
         """``observer(op_name, bytes_sent, group_ranks)`` is called for every collective."""
         with self._observer_lock:
             self._comm_observers.append(observer)
 
-    def remove_comm_observer(self, observer):
+    def remove_comm_observer(self, observer: Callable[[str, int, tuple], None]) -> None:
         """Stop calling ``observer``."""
         with self._observer_lock:
             self._comm_observers.remove(observer)
 
-    def record_comm(self, op_name, bytes_sent, group_ranks):
+    def record_comm(self, op_name: str, bytes_sent: int, group_ranks: tuple) -> None:
         """Report one collective to the observers (the collectives call this)."""
         for observer in list(self._comm_observers):
             observer(op_name, bytes_sent, group_ranks)
 
     @abc.abstractmethod
-    def capabilities(self):
+    def capabilities(self) -> Dict[str, str]:
         """``{collective: "native" | "emulated: how"}`` for the current backend, plus "backend"."""
 
     # ---------------------------------------------------------------- process groups
     @abc.abstractmethod
-    def init_process_group(self, backend=None, timeout_s=None, **kwargs):
+    def init_process_group(self, backend: Optional[str] = None, timeout_s: Optional[float] = None,
+                           **kwargs: Any) -> None:
         """Initialise the default group from the launcher's environment (no-op if done)."""
 
     @abc.abstractmethod

@@ -99,7 +99,7 @@ def meta_outputs(func: Callable, args: Sequence[Any], kwargs: Dict[str, Any]) ->
     key = _meta_key(func, leaves, structure)
     shapes = _META_CACHE.get(key)
     if shapes is None:
-        def to_meta(x):
+        def to_meta(x: Any) -> Any:
             if isinstance(x, DTensor):
                 return get_platform().meta_tensor(x._spec.shape, x.dtype)
             if get_platform().is_tensor(x):
