@@ -135,10 +135,6 @@ def dry_run(model_fn: Callable, mesh_shape: Sequence[int], mesh_dim_names: Seque
     tools = torch_tools()
     sizes = check_mesh(mesh_shape, mesh_dim_names)
     check_features(features, cp_mode, sizes)
-    if parallel_options.get("ep") is not None:
-        raise ValueError(f"dry_run(ep={parallel_options['ep']!r}): expert parallelism sizes its all-to-all "
-                         f"from the routing counts, values a dry run does not have; dry-run without ep "
-                         f"(experts then follow fully_shard and the tensor-parallel plan)")
     if seq_len % max(1, sizes.get("cp", 1)) or seq_len < 1 or batch < 1:
         raise ValueError(f"dry_run: seq_len {seq_len} must be a positive multiple of cp={sizes.get('cp', 1)} "
                          f"and batch {batch} positive")
