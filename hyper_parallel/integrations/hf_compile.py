@@ -1,13 +1,14 @@
 """parallelize_model(compile=True): each decoder layer compiled after it was parallelized
 (docs/compile.md), as torchtitan compiles its blocks: the layer's forward, with its TP / CP
 collectives, becomes one compiled graph; fully_shard's and data_parallel's hooks stay outside."""
+from typing import Any
 import warnings
 
 from hyper_parallel.integrations.hf_fully_shard import decoder_layers
 from hyper_parallel.platform import get_platform
 
 
-def compile_decoder_layers(model, compile_option):
+def compile_decoder_layers(model: Any, compile_option: Any) -> Any:
     """``compile_option``: True (torch.compile's defaults) or a dict of ``torch.compile`` keyword
     arguments (``{"backend": "aot_eager"}``, ``{"mode": "max-autotune"}``...)."""
     if compile_option is True:

@@ -4,13 +4,14 @@ The sharding mesh is the ``dp_shard`` dim; with a ``cp`` dim it is the flattened
 mesh, because context-parallel ranks see different tokens and their gradients must be reduced too
 (torchtitan's dp_shard_cp); with a ``dp_replicate`` dim (and no cp) it is the 2-D HSDP mesh.
 """
+from typing import Any
 import warnings
 
 from hyper_parallel.core.fully_shard import fully_shard
 from hyper_parallel.platform import get_platform
 
 
-def shard_mesh(mesh, dp_shard, cp):
+def shard_mesh(mesh: Any, dp_shard: Any, cp: Any) -> Any:
     """The mesh fully_shard shards over (see the module docstring). A size-1 ``cp`` or
     ``dp_replicate`` dim is left out: it changes nothing, and the examples' meshes always name them."""
     names = tuple(mesh.mesh_dim_names or ())
@@ -34,7 +35,7 @@ def shard_mesh(mesh, dp_shard, cp):
     return mesh[dp_shard]
 
 
-def decoder_layers(model):
+def decoder_layers(model: Any) -> Any:
     """The model's decoder layers: the outermost modules of the classes transformers keeps whole
     (``_no_split_modules``: LlamaDecoderLayer, GPT2Block, ...), else the ``layers`` module list."""
     platform = get_platform()
@@ -54,7 +55,7 @@ def decoder_layers(model):
                      f"hyper_parallel.fully_shard to its blocks yourself")
 
 
-def apply_fully_shard(model, mesh, dp_shard, cp, average=True):
+def apply_fully_shard(model: Any, mesh: Any, dp_shard: Any, cp: Any, average: bool = True) -> Any:
     """fully_shard each decoder layer, then the whole model, over ``shard_mesh(...)``; ``average``
     as fully_shard's (False for a loss already normalised by the global token count)."""
     sharding = shard_mesh(mesh, dp_shard, cp)

@@ -19,6 +19,7 @@ Only the classes below are replaced (their forwards were read against transforme
 whose code is theirs under another name prefix (Qwen3.5-MoE's Gated DeltaNet is Qwen3.5's); any
 other linear-attention class stays refused by the audit.
 """
+from typing import Any
 import functools
 import importlib
 
@@ -167,7 +168,8 @@ def _cp_forward(module, adapter, mixing):
     return forward
 
 
-def make_linear_attention_exact(model, cp_mesh, mode="allgather", tensor_parallel=False):
+def make_linear_attention_exact(model: Any, cp_mesh: Any, mode: str = "allgather",
+                                tensor_parallel: bool = False) -> Any:
     """Replace the forward of every known linear-attention module by its CP form; returns their names.
     ``mode``: how the recurrent state crosses ranks, "allgather" (default) or "p2p". Refused together
     with tensor parallelism (the layers' TP-split projections are not handled: checked on every

@@ -17,7 +17,7 @@ Assumptions (printed with every prediction):
   recompute (one extra forward).
 """
 import math
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 DEVICES: Dict[str, dict] = {
     # flops: dense bf16; hbm: bytes/s; memory: bytes; intra / inter: bytes/s per GPU per direction
@@ -59,7 +59,7 @@ def _group_spans_nodes(mesh: Dict[str, int], dims, gpus_per_node: int) -> bool:
     return top >= gpus_per_node
 
 
-def comm_seconds(report, dev: dict, gpus_per_node: int) -> Dict[str, float]:
+def comm_seconds(report: Any, dev: dict, gpus_per_node: int) -> Dict[str, float]:
     """Seconds per mesh dim label of the report's collectives."""
     out = {}
     for label, entry in report.comm.items():
@@ -70,7 +70,7 @@ def comm_seconds(report, dev: dict, gpus_per_node: int) -> Dict[str, float]:
     return out
 
 
-def compute_seconds(report, dev: dict) -> float:
+def compute_seconds(report: Any, dev: dict) -> float:
     flops, hbm = dev["flops"] * GEMM_EFFICIENCY, dev["hbm"] * HBM_EFFICIENCY
     ops = sum(n * max(f / flops, b / hbm) for (f, b), n in report.ops.items())
     return ops + report.memory_bound_bytes / hbm
@@ -92,7 +92,7 @@ def _exposed(report, seconds: Dict[str, float], compute: float) -> float:
     return exposed
 
 
-def predict(report, device_name: str, gpus_per_node: int = 8, calibration: Optional[dict] = None,
+def predict(report: Any, device_name: str, gpus_per_node: int = 8, calibration: Optional[dict] = None,
             memory_bytes: Optional[float] = None) -> dict:
     """Step seconds, tokens/s/device, MFU and whether the peak fits, with the assumptions."""
     dev = device(device_name, calibration)

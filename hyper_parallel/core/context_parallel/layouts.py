@@ -5,6 +5,7 @@ splits from the sequence to the heads (Ulysses, one all-to-all each) and gathers
 (all-gather KV). Placements are derived from shard orders, so they compose with any other split
 already on the tensor (TP heads, a StridedShard where CP splits heads inside TP's split).
 """
+from typing import Any
 from hyper_parallel.core.bounded_cache import BoundedCache
 from hyper_parallel.core.dtensor.layout import placements_from_orders, shard_orders
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
@@ -21,7 +22,7 @@ def _non_shard(placements):
 _INPUT = BoundedCache(4096)
 
 
-def input_placements(mesh, ndim, seq_dim, cp_dims, other=None):
+def input_placements(mesh: Any, ndim: Any, seq_dim: Any, cp_dims: Any, other: Any = None) -> Any:
     """Contiguous sequence blocks over ``cp_dims`` (outer first), plus ``other`` placements.
     Cached per arguments (every ContextParallel call asks, with the same few each step)."""
     key = (id(mesh), ndim, seq_dim, tuple(cp_dims), None if other is None else tuple(other))
@@ -40,7 +41,8 @@ def _input_placements(mesh, ndim, seq_dim, cp_dims, other):
     return placements_from_orders(orders, _non_shard(placements), mesh.mesh_shape)
 
 
-def mode_placements(placements, mesh, ndim, seq_dim, head_dim, ulysses_dims, gather_dims):
+def mode_placements(placements: Any, mesh: Any, ndim: Any, seq_dim: Any, head_dim: Any, ulysses_dims: Any,
+                    gather_dims: Any) -> Any:
     """(q placements, k/v placements) for attention: ``ulysses_dims`` move from the sequence to the
     heads (innermost), then K/V are replicated over ``gather_dims``."""
     orders = _orders(placements, mesh, ndim)
@@ -59,7 +61,7 @@ def mode_placements(placements, mesh, ndim, seq_dim, head_dim, ulysses_dims, gat
     return q, kv
 
 
-def seq_split(placements, seq_dim):
+def seq_split(placements: Any, seq_dim: Any) -> Any:
     return [m for m, p in enumerate(placements) if p.is_shard(seq_dim)]
 
 

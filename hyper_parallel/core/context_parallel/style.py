@@ -6,6 +6,7 @@ the attention rule applies the global causal offset), or the hybrid of both on a
 The module's forward sees DTensors, so plain matmul/softmax attention code is distributed by the
 same sharding rules as ``F.scaled_dot_product_attention``.
 """
+from typing import Any
 import contextvars
 
 from hyper_parallel.core.arguments import check_context_parallel
@@ -26,7 +27,7 @@ _STARTER = "_hp_cp_start"
 _APPLY_FIX = "construct ContextParallel with the same arguments on every rank of the mesh"
 
 
-def start_attention(module, *args, **kwargs):
+def start_attention(module: Any, *args: Any, **kwargs: Any) -> Any:
     """Start ``module(*args, **kwargs)`` on a module ContextParallel was applied to, returning a
     pending call whose ``finish()`` gives the output ``module(...)`` would: q/k/v's collective
     travels in between, so the caller can compute meanwhile (e.g. the next head group's
@@ -41,9 +42,11 @@ def start_attention(module, *args, **kwargs):
 
 
 class ContextParallel(ParallelStyle):
-    def __init__(self, seq_dim=1, head_dim=2, ulysses_degree=None, qkv_indices=(0, 1, 2), qkv_kwarg_names=(),
-                 use_local_output=False, load_balance=False, kv_exchange="allgather", overlap=False,
-                 chunks=2, mode=None, memory_budget=None, calibration=None, causal=None, tune=None):
+    def __init__(self, seq_dim: int = 1, head_dim: int = 2, ulysses_degree: Any = None,
+                 qkv_indices: Any = (0, 1, 2), qkv_kwarg_names: Any = (), use_local_output: bool = False,
+                 load_balance: bool = False, kv_exchange: str = "allgather", overlap: bool = False,
+                 chunks: int = 2, mode: Any = None, memory_budget: Any = None, calibration: Any = None,
+                 causal: Any = None, tune: Any = None) -> None:
         check_context_parallel(seq_dim, head_dim, ulysses_degree, chunks, memory_budget, qkv_indices)
         _check_auto(mode, ulysses_degree, load_balance, kv_exchange, memory_budget, calibration, causal, tune)
         if seq_dim == head_dim:
@@ -74,14 +77,14 @@ class ContextParallel(ParallelStyle):
         self.last_choice = None
         self._auto = AutoMode(self) if mode == "auto" else None
 
-    def fixed(self, **mode_kwargs):
+    def fixed(self, **mode_kwargs: Any) -> Any:
         """This style with a fixed mode (``ulysses_degree`` / ``kv_exchange`` / ``load_balance``)."""
         return ContextParallel(self.seq_dim, self.head_dim, qkv_indices=self.qkv_indices,
                                qkv_kwarg_names=self.qkv_kwarg_names, use_local_output=self.use_local_output,
                                overlap=self.overlap, chunks=self.chunks, **mode_kwargs)
 
     # ------------------------------------------------------------------ apply
-    def apply(self, module, device_mesh):
+    def apply(self, module: Any, device_mesh: Any) -> Any:
         # before _cp_mesh creates the hybrid's groups: a rank with another ulysses_degree would
         # otherwise create groups its peers never create, and wait there
         check_agreement(device_mesh, "ContextParallel", style_settings(self), fix=_APPLY_FIX,
@@ -206,5 +209,5 @@ class AsyncContextParallel(ContextParallel):
     so one group's q/k/v and output collectives travel while another computes, in forward and
     backward (overlap.py; modes it cannot pipeline run as ContextParallel does)."""
 
-    def __init__(self, *args, overlap=True, **kwargs):
+    def __init__(self, *args: Any, overlap: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, overlap=overlap, **kwargs)

@@ -1,4 +1,5 @@
 """distribute_tensor / distribute_module: turn ordinary tensors and modules into DTensor ones."""
+from typing import Any
 import numpy as np
 
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
@@ -43,7 +44,8 @@ def _already_distributed(dtensor, mesh, placements):
     return dtensor
 
 
-def distribute_tensor(tensor, device_mesh=None, placements=None, *, src_data_rank=0):
+def distribute_tensor(tensor: Any, device_mesh: Any = None, placements: Any = None, *,
+                      src_data_rank: int = 0) -> Any:
     """Shard or replicate a global ``tensor`` over ``device_mesh``.
 
     With ``src_data_rank`` (a rank within the mesh, i.e. a position in ``mesh.rank_list``, as in
@@ -97,7 +99,8 @@ def _replicate_rest(module, mesh):
             platform.set_buffer(module, bname, distribute_tensor(buf, mesh))
 
 
-def distribute_module(module, device_mesh=None, partition_fn=None, input_fn=None, output_fn=None):
+def distribute_module(module: Any, device_mesh: Any = None, partition_fn: Any = None, input_fn: Any = None,
+                      output_fn: Any = None) -> Any:
     """Apply ``partition_fn(name, submodule, mesh)`` to every submodule, then make every parameter
     and buffer it left as a plain tensor a Replicate DTensor; install ``input_fn(module, inputs,
     mesh)`` / ``output_fn(module, outputs, mesh)`` as forward hooks. ``device_mesh`` defaults to the

@@ -9,6 +9,7 @@ path (``aten/``), checkpointing and the casting redistribution each attach their
 the class when imported (``attach``), the way sharding rules register themselves; the package's
 ``__init__`` imports them all. So every module here can import DTensor, and DTensor none of them.
 """
+from typing import Any
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.dtensor import rank_check as rc
 from hyper_parallel.core.dtensor.layout import grad_placements
@@ -49,8 +50,9 @@ class DTensor(get_platform().DTensorBase):
 
     # ------------------------------------------------------------------ construction
     @staticmethod
-    def from_local(local_tensor, device_mesh=None, placements=None, *, run_check=False, shape=None,
-                   stride=None, grad_placements=None):
+    def from_local(local_tensor: Any, device_mesh: Any = None, placements: Any = None, *,
+                   run_check: bool = False, shape: Any = None, stride: Any = None,
+                   grad_placements: Any = None) -> Any:
         """The DTensor whose shard on this rank is ``local_tensor`` (differentiable).
 
         Without ``shape`` the shards are taken to be even; pass the global ``shape`` for uneven ones.
@@ -87,14 +89,14 @@ class DTensor(get_platform().DTensorBase):
             normalize_placements(grad_placements, len(spec.shape), device_mesh.ndim))
         return _from_local(local_tensor, spec, grad_spec=grad_spec)
 
-    def to_local(self, *, grad_placements=None):
+    def to_local(self, *, grad_placements: Any = None) -> Any:
         """This rank's shard (differentiable; its gradient has this DTensor's placements)."""
         spec = self._spec if grad_placements is None else self._spec.with_placements(
             normalize_placements(grad_placements, self.ndim, self._spec.mesh.ndim))
         return _to_local(self, spec)
 
-    def redistribute(self, device_mesh=None, placements=None, *, async_op=False, forward_dtype=None,
-                     backward_dtype=None):
+    def redistribute(self, device_mesh: Any = None, placements: Any = None, *, async_op: bool = False,
+                     forward_dtype: Any = None, backward_dtype: Any = None) -> Any:
         """This tensor in another layout on the same mesh (differentiable). ``forward_dtype``: cast
         the shard before the collective (the result has that dtype); ``backward_dtype``: the dtype of
         the backward collective (the input's gradient keeps the input's dtype), as PyTorch."""
@@ -110,7 +112,7 @@ class DTensor(get_platform().DTensorBase):
             return self
         return _redistribute(self, placements)
 
-    def full_tensor(self, *, grad_placements=None):
+    def full_tensor(self, *, grad_placements: Any = None) -> Any:
         """The whole global tensor on every rank (differentiable). ``grad_placements``: how the
         gradient of the result is laid out (e.g. ``[Partial()]`` when each rank's gradient is a
         share of the total), default replicated."""
@@ -119,15 +121,15 @@ class DTensor(get_platform().DTensorBase):
 
     # ------------------------------------------------------------------ metadata
     @property
-    def placements(self):
+    def placements(self) -> Any:
         return self._spec.placements
 
     @property
-    def device_mesh(self):
+    def device_mesh(self) -> Any:
         return self._spec.mesh
 
     @property
-    def local_shape(self):
+    def local_shape(self) -> Any:
         return tuple(self._local_tensor.shape)
 
     def __repr__(self):
@@ -135,7 +137,7 @@ class DTensor(get_platform().DTensorBase):
                 f"placements={self._spec.placements}, shape={tuple(self._spec.shape)})")
 
 
-def attach(name, function, kind=staticmethod):
+def attach(name: str, function: Any, kind: Any = staticmethod) -> None:
     """Install ``function`` as ``DTensor.<name>`` (``kind``: staticmethod, or None for a method that
     receives the DTensor): the entry points listed in the class are attached by the modules that
     implement them, when imported."""
@@ -152,7 +154,7 @@ class GradPassThrough:
     KV attention stays partial through the user's transposes until the one reduce-scatter."""
     __slots__ = ("dims", "partial")
 
-    def __init__(self, dims):
+    def __init__(self, dims: Any) -> None:
         self.dims = frozenset(dims)
         self.partial = frozenset()
 
@@ -245,7 +247,7 @@ class _NoCtx:
     pass
 
 
-def as_layout(value, spec):
+def as_layout(value: Any, spec: Any) -> Any:
     """``value`` (a DTensor in any layout, or a plain global tensor) as a DTensor of ``spec``,
     without autograd."""
     if isinstance(value, DTensor):

@@ -14,6 +14,7 @@ what is left, waits for the reductions and hands out the sharded gradients. Its 
 re-reads what the user may have changed since wrapping (wrap_state.py), and every unit's forward
 checks that the ranks run the same unit and call.
 """
+from typing import Any
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.dtensor.dispatch.tree import tree_flatten
 from hyper_parallel.core.agreement import check_every
@@ -24,7 +25,7 @@ from hyper_parallel.platform import get_platform
 
 
 class FSDPState:
-    def __init__(self, module, group):
+    def __init__(self, module: Any, group: Any) -> None:
         self.module = module
         self.group = group
         self.schedule = None     # shared with the root once the root initialised

@@ -15,6 +15,7 @@ reads to decide whether a Partial input may stay Partial.
 Primitives not listed run through the replicated fallback (a warning names them; with
 ``HP_STRICT_DISPATCH=1`` they raise).
 """
+from typing import Any
 from hyper_parallel.platform.mindspore import meta
 
 
@@ -28,11 +29,12 @@ class MsOp:
 
     __slots__ = ("op", "__name__", "shape_fn", "ms_name", "legacy", "runner", "key")
 
-    def __init__(self, op, display, shape_fn, ms_name, legacy=None, runner=None, key=None):
+    def __init__(self, op: Any, display: Any, shape_fn: Any, ms_name: str, legacy: Any = None,
+                 runner: Any = None, key: Any = None) -> None:
         self.op, self.__name__, self.shape_fn, self.ms_name = op, display, shape_fn, ms_name
         self.legacy, self.runner, self.key = legacy, runner, key
 
-    def invoke(self, *args, **kwargs):
+    def invoke(self, *args: Any, **kwargs: Any) -> Any:
         if self.legacy is not None:
             return self.op(self.legacy, self.ms_name, tuple(args))
         return self.op(*args, **kwargs)
@@ -44,7 +46,7 @@ class MsOp:
             return _empty_safe(self, args, kwargs)
         return self.run(*args, **kwargs)
 
-    def run(self, *args, **kwargs):
+    def run(self, *args: Any, **kwargs: Any) -> Any:
         if self.runner is not None:
             return self.runner(self.invoke, *args, **kwargs)
         return self.invoke(*args, **kwargs)
@@ -183,7 +185,7 @@ class _TensorSum:
         return tensor.sum(dim=dim, keepdim=keepdim)
 
 
-def local_sum(tensor, dim=None, keepdim=False):
+def local_sum(tensor: Any, dim: Any = None, keepdim: bool = False) -> Any:
     """``tensor.sum(dim=dim, keepdim=keepdim)``, safe on an empty tensor: the kernel's output
     (right shape and dtype, uninitialised values) is filled with 0 inside the zero-gradient
     Function, as ``_empty_safe`` does for the SumExt / ReduceSum of the op table. Core's rules
@@ -380,7 +382,7 @@ def _gather_as_embedding(args, kwargs):
 TABLE["Gather"] = _Entry("embedding", "embedding", _embedding_shape, _gather_as_embedding)
 
 
-def lookup(name):
+def lookup(name: str) -> Any:
     return TABLE.get(name)
 
 

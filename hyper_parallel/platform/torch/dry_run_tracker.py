@@ -14,6 +14,7 @@ buffers (storages a collective read or wrote), activations (made in forward) and
 rest). FLOPs use PyTorch's FlopCounterMode formulas, plus the CPU flash-attention kernels it lacks
 (causal attention counted as half the score matrix, as the kernels skip the masked blocks).
 """
+from typing import Any
 import collections
 import weakref
 
@@ -70,7 +71,7 @@ class StepTracker(TorchDispatchMode):
         self.ops = collections.Counter()   # (flops, bytes touched) -> count, of ops with a FLOP formula
         self.memory_bound_bytes = 0
 
-    def adopt(self, tensors, phase: str = "setup") -> None:
+    def adopt(self, tensors: Any, phase: str = "setup") -> None:
         """Count storages that exist before the step (parameters, optimizer state)."""
         for t in tensors:
             self._observe(t, phase, False)
@@ -139,7 +140,7 @@ class StepTracker(TorchDispatchMode):
         else:
             self.memory_bound_bytes += moved
 
-    def breakdown(self, params, grads, optimizer_state) -> dict:
+    def breakdown(self, params: Any, grads: Any, optimizer_state: Any) -> dict:
         """Bytes per category at the peak (``CATEGORIES``), given the tensors of each kind."""
         def keys(tensors):
             return {id(t.untyped_storage()) for t in tensors}

@@ -4,6 +4,7 @@ Several torch spellings reach one rule (``torch.matmul``, ``Tensor.matmul``, ``T
 and ``torch.mm`` all mean "matmul"). In-place methods are deliberately absent: they stay on the
 aten path where autograd tracks them on the DTensor itself.
 """
+from typing import Any
 import torch
 import torch.nn.functional as F
 
@@ -95,7 +96,7 @@ def _pointwise_names():
     return names
 
 
-def build_op_names():
+def build_op_names() -> Any:
     table = {}
     for name in _pointwise_names():
         for namespace in (torch, torch.Tensor, F, torch.special):

@@ -9,6 +9,7 @@ taken as Partial (each rank's queries contribute a share; the latent gather's re
 them exactly once), ``attention_masks`` padding / documents through the mask interceptor, and
 ``load_balance`` through the head-tail exchange of q halves and their outputs.
 """
+from typing import Any
 from hyper_parallel.core.context_parallel.masks.attention_masks import check_masks
 from hyper_parallel.core.context_parallel.masks.mask_mode import with_masks
 from hyper_parallel.core.context_parallel.mode import _Inputs, _load_balanced
@@ -31,7 +32,8 @@ def _inputs(mesh, q, k, v):
     return _Inputs(mesh, [0], [q, k, v], placements, shapes, "plain", SEQ, HEAD)
 
 
-def attend_gathered(q, k, v, mesh, call, load_balance=False, masks=None):
+def attend_gathered(q: Any, k: Any, v: Any, mesh: Any, call: Any, load_balance: bool = False,
+                    masks: Any = None) -> Any:
     """``call(q, k, v)`` (DTensors in, the attention's output DTensor out) for this rank's query
     block ``q`` (B, H, L, D) and the whole sequence's ``k``, ``v`` (B, H, P·L, D), plain tensors
     whose gradient is this rank's share. Returns this rank's contiguous block of the output, in

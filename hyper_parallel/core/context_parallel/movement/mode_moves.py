@@ -9,6 +9,7 @@ plan of several steps, mismatched dims or dtypes) takes the per-tensor redistrib
 always correct. What to do for a signature is decided once and cached (``_Moves``), so a
 steady-state call only runs the moves.
 """
+from typing import Any
 from hyper_parallel.core.bounded_cache import BoundedCache
 from hyper_parallel.core.context_parallel.layouts import mode_placements
 from hyper_parallel.core.context_parallel.movement.kv_all_gather import KVAllGather
@@ -62,7 +63,8 @@ def _gather_kv(dts, targets):
     return [dt.redistribute(placements=p) for dt, p in zip(dts, targets)]
 
 
-def mode_dtensors(mesh, locals_, placements, shapes, seq, head, ulysses_dims, gather_dims):
+def mode_dtensors(mesh: Any, locals_: Any, placements: Any, shapes: Any, seq: Any, head: Any,
+                  ulysses_dims: Any, gather_dims: Any) -> Any:
     """q, k, v local blocks (this rank's share of global ``shapes`` laid out as ``placements`` on
     ``mesh``, the sequence-split input layout) as DTensors in the mode's layout: the Ulysses
     all-to-all of all three fused into one, then k and v gathered over ``gather_dims`` in one."""
@@ -80,7 +82,7 @@ def mode_dtensors(mesh, locals_, placements, shapes, seq, head, ulysses_dims, ga
     return moved[:1] + _gather_kv(moved[1:], moves.targets[1:])
 
 
-def to_mode(dts, seq, head, ulysses_dims, gather_dims, fuse=True):
+def to_mode(dts: Any, seq: Any, head: Any, ulysses_dims: Any, gather_dims: Any, fuse: bool = True) -> Any:
     """q, k, v DTensors (in their sequence-split input layout) in the mode's layout, fused as
     ``mode_dtensors`` (``fuse=False``: one collective per tensor, so only one tensor's staging
     buffers are alive at a time)."""

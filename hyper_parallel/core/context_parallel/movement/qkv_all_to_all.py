@@ -16,6 +16,7 @@ results are DTensors whose gradients are taken in their own layouts, as ``DTenso
 ``start`` launches the same packed tensor through the platform's split collectives and returns
 ``finish``, so compute runs while it travels (overlap).
 """
+from typing import Any
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.context_parallel.movement.steps import Block, shared_step
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
@@ -58,7 +59,7 @@ class QKVAllToAll:
 
     __slots__ = ("mesh", "indices", "group", "n", "seq", "head", "widths", "targets", "specs", "grad_specs")
 
-    def __init__(self, mesh, indices, step, widths, targets, shapes):
+    def __init__(self, mesh: Any, indices: Any, step: Any, widths: Any, targets: Any, shapes: Any) -> None:
         self.mesh, self.indices = mesh, tuple(indices)
         self.group, self.n = mesh.get_group(step.mesh_dim), mesh.mesh_shape[step.mesh_dim]
         self.seq, self.head = step.dim, step.new_dim
@@ -67,7 +68,8 @@ class QKVAllToAll:
         self.grad_specs = tuple(s.with_placements(grad_placements(s.placements)) for s in self.specs)
 
     @classmethod
-    def plan(cls, mesh, shapes, sources, targets, local_shapes, dtypes, indices=(0, 1, 2)):
+    def plan(cls, mesh: Any, shapes: Any, sources: Any, targets: Any, local_shapes: Any, dtypes: Any,
+             indices: Any = (0, 1, 2)) -> Any:
         """The move of the tensors at ``indices`` (global ``shapes``, ``sources`` -> ``targets``,
         this rank's ``local_shapes`` and ``dtypes``, all indexed like q, k, v), or None where it is
         not one even sequence -> heads all-to-all of blocks of one dtype equal but in heads."""
@@ -81,14 +83,14 @@ class QKVAllToAll:
             return None
         return cls(mesh, indices, step, [s[step.new_dim] // n for s in local], pick(targets), pick(shapes))
 
-    def run(self, locals_):
+    def run(self, locals_: Any) -> Any:
         """The moved tensors' DTensors (one differentiable all-to-all)."""
         platform = get_platform()
         if not (platform.is_grad_enabled() and any(platform.requires_grad(t) for t in locals_)):
             return list(_forward(_NoCtx(), self, *locals_))   # nothing to record: no autograd node
         return list(_FUNCTION(self, *locals_))
 
-    def start(self, blocks, observer=None):
+    def start(self, blocks: Any, observer: Any = None) -> Any:
         """Launch the move of ``blocks[i]`` for i in ``indices``; returns ``finish`` -> all blocks."""
         platform = get_platform()
         split = self.head

@@ -24,6 +24,7 @@ Not pipelined (run whole, exactly as without overlap): load balancing, the ring 
 own hops), active attention_masks, a q DTensor on another mesh ("other_mesh"), k/v heads the chunks
 cannot split, and layouts the split moves do not cover (uneven blocks, several steps).
 """
+from typing import Any, Iterator
 import contextlib
 from dataclasses import replace
 
@@ -38,7 +39,7 @@ _observers = []
 
 
 @contextlib.contextmanager
-def observe_pipeline(fn):
+def observe_pipeline(fn: Any) -> Iterator[None]:
     """Within the block, ``fn(stage, chunk, event)`` hears every collective of the pipeline: stage
     "in" (q/k/v moves) or "out"; event "start" / "wait" / "grad_start" / "grad_wait"."""
     _observers.append(fn)
@@ -48,7 +49,7 @@ def observe_pipeline(fn):
         _observers.remove(fn)
 
 
-def pipeline_observer(stage, chunk):
+def pipeline_observer(stage: Any, chunk: Any) -> Any:
     """``fn(event)`` telling every ``observe_pipeline`` listener about (stage, chunk), or None."""
     if not _observers:
         return None
@@ -56,13 +57,13 @@ def pipeline_observer(stage, chunk):
     return lambda event: [fn(stage, chunk, event) for fn in listeners]
 
 
-def pipelinable(style, inputs, masks):
+def pipelinable(style: Any, inputs: Any, masks: Any) -> Any:
     """Whether this call may be pipelined at all (the other modes run whole)."""
     return (style.overlap and style.chunks > 1 and masks is None and not style.load_balance
             and style.kv_exchange != "ring" and inputs.policy != "other_mesh")
 
 
-def chunk_count(style, inputs, ds):
+def chunk_count(style: Any, inputs: Any, ds: Any) -> Any:
     """The number of head chunks (1: not chunkable). Every q, k, v chunk keeps heads divisible by
     the Ulysses degree, and q heads a multiple of k/v heads (GQA groups stay whole)."""
     n = style.chunks
@@ -99,7 +100,7 @@ def _remember(key, shape):
     _WHOLE_OUTPUT_SHAPES[key] = shape
 
 
-def recording(style, inputs, ulysses_dims, gather_dims, call):
+def recording(style: Any, inputs: Any, ulysses_dims: Any, gather_dims: Any, call: Any) -> Any:
     """``call`` for a pipelinable call run whole: the first time for its signature, it also records
     the global shape of the whole output, from which later calls learn where the chunks join."""
     key = (lifetime_key(style), _signature(_whole_blocks(inputs), inputs, ulysses_dims, gather_dims))
@@ -167,7 +168,7 @@ class _Chunk:
         return [b.dtensor(mesh) for b in self.blocks]
 
 
-def start_whole(inputs, ulysses_dims, gather_dims):
+def start_whole(inputs: Any, ulysses_dims: Any, gather_dims: Any) -> Any:
     """The whole call's q/k/v moves (one chunk of every head) with its first collective started, or
     None where they do not split into start and finish (split_call.py)."""
     blocks = _whole_blocks(inputs)
@@ -230,7 +231,7 @@ def _give_up(key, pipes, outs):
     return None
 
 
-def run_overlapped(style, inputs, ulysses_dims, gather_dims, call):
+def run_overlapped(style: Any, inputs: Any, ulysses_dims: Any, gather_dims: Any, call: Any) -> Any:
     """(this rank's output block, its seq dim, its placements), like output.to_caller, computed by
     the head-chunk pipeline; None where the call is not pipelined (the caller then runs it whole,
     through ``recording``)."""

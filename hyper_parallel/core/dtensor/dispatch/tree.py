@@ -3,6 +3,7 @@ so it is hashable (the decision cache keys calls by it) whenever the dict keys a
 
 Most op calls are ``(args, {})`` with no nesting: their structure is shared per arity, and both
 directions take a short path (dispatch flattens and rebuilds every call's arguments)."""
+from typing import Any
 _FLAT = {}
 
 
@@ -13,7 +14,7 @@ def _flat_structure(n):
     return found
 
 
-def tree_flatten(obj):
+def tree_flatten(obj: Any) -> Any:
     if (type(obj) is tuple and len(obj) == 2 and type(obj[0]) is tuple and obj[1] == {}
             and not any(isinstance(a, (list, tuple, dict)) for a in obj[0])):
         return list(obj[0]), _flat_structure(len(obj[0]))
@@ -34,7 +35,7 @@ def _walk(node, leaves):
     return None
 
 
-def tree_unflatten(leaves, structure):
+def tree_unflatten(leaves: Any, structure: Any) -> Any:
     if structure is None:
         return leaves[0]
     if structure is _FLAT.get(len(leaves)):

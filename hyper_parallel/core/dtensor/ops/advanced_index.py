@@ -18,6 +18,7 @@ Boolean masks (``x[mask]``): the number of selected elements depends on the mask
 computed from the whole mask (gathered if it is a split DTensor). The rule then sees only integer
 indices, and a mask over dims that are not split keeps the other dims' shards.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.ops.elementwise import to_input
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Replicate
@@ -34,7 +35,7 @@ def _is_mask(t):
                                   is False)
 
 
-def prepare_indices(rule_name, mesh, args, kwargs):
+def prepare_indices(rule_name: str, mesh: Any, args: Any, kwargs: Any) -> Any:
     """(args, kwargs) with every mask of an index / index_put call replaced by its nonzero positions."""
     if rule_name not in ("index", "index_put") or len(args) < 2 or not isinstance(args[1], (list, tuple)):
         return args, kwargs
@@ -88,7 +89,7 @@ def _indices_replicated(call, indices, inputs):
 
 
 @register_rule("index")
-def index_rule(call):
+def index_rule(call: Any) -> Any:
     parsed = _parse(call)
     if parsed is None:
         return None
@@ -112,7 +113,7 @@ def index_rule(call):
 
 
 @register_rule("index_put")
-def index_put_rule(call):
+def index_put_rule(call: Any) -> Any:
     parsed = _parse(call)
     if parsed is None:
         return None

@@ -12,6 +12,7 @@ excluded key stays out of that row exactly as in single-device causal attention 
 -inf mask would turn NaN + -inf into NaN). An explicit global mask is sliced to the local rows by
 the same redistribution that splits q.
 """
+from typing import Any
 from hyper_parallel.core.agreement_attention import agree_on_attention
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.dtensor.layout import numel
@@ -50,7 +51,7 @@ def _candidates(qs, ks, vs, m, n):
 
 
 @register_rule("sdpa")
-def sdpa_rule(call):
+def sdpa_rule(call: Any) -> Any:
     q, k, v = (call.arg(i, ARG_NAMES[i]) for i in range(3))
     qs, ks, vs = call.spec(q), call.spec(k), call.spec(v)
     if qs is None or ks is None or vs is None or qs.ndim < 3:
@@ -129,11 +130,11 @@ def _offset_causal(row_start):
 
 
 # ============================================================================ block attention
-def expand_heads(t, groups):
+def expand_heads(t: Any, groups: Any) -> Any:
     return t if groups == 1 else t.repeat_interleave(groups, dim=-3)
 
 
-def fold_heads(t, groups):
+def fold_heads(t: Any, groups: Any) -> Any:
     """Sum the gradients of the query heads that share one k/v head (GQA)."""
     if groups == 1:
         return t
@@ -141,7 +142,7 @@ def fold_heads(t, groups):
     return t.reshape(shape[:-3] + (shape[-3] // groups, groups) + shape[-2:]).sum(-3)
 
 
-def merge_blocks(acc, out, lse):
+def merge_blocks(acc: Any, out: Any, lse: Any) -> Any:
     """Combine two partial attentions over disjoint keys by their log-sum-exp."""
     if acc is None:
         return out.to(lse.dtype), lse

@@ -10,6 +10,7 @@ runs the platform's block kernel, merged by log-sum-exp; the sinks are folded in
 Tensors are (batch, heads, seq, dim); k/v may have fewer heads (GQA), ``sinks`` is one logit per
 query head held here.
 """
+from typing import Any
 from dataclasses import dataclass
 
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
@@ -111,7 +112,7 @@ def _seq_shape(t, length):
 _VARIANT_ATTENTION = lazy_autograd_function("VariantAttention", _forward, _backward)
 
 
-def variant_attention(q, k, v, sinks, q_start, variant):
+def variant_attention(q: Any, k: Any, v: Any, sinks: Any, q_start: Any, variant: Any) -> Any:
     """Differentiable attention of q (global rows [q_start, +L)) on the whole k/v under ``variant``,
     with ``sinks`` (one logit per head of q, or None) in the denominator."""
     return _VARIANT_ATTENTION(q, k, v, sinks, q_start, variant)

@@ -16,6 +16,7 @@ the rank that holds that row. ``max_norm`` (renormalises weight rows in place),
 ``scale_grad_by_freq`` (counts per batch) and ``sparse`` gradients have no rule: those calls take
 the replicated fallback.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Partial, Replicate
 
@@ -30,7 +31,7 @@ def _values(args, kwargs):
 
 
 @register_rule("embedding")
-def embedding_rule(call):
+def embedding_rule(call: Any) -> Any:
     v = _values(call.args, call.kwargs)
     ids, weight = v["input"], v["weight"]
     ids_spec, w_spec = call.spec(ids), call.spec(weight)

@@ -23,6 +23,7 @@ The class dim is dim 1 of the logits (dim 0 for 1-D logits).
   loss = log(s) * sum_c t_c - sum_c t_c (x_c - m), with t smoothed first.
   ``weight=`` and the legacy ``size_average``/``reduce`` arguments take the replicated path.
 """
+from typing import Any
 import threading
 
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
@@ -36,15 +37,15 @@ _DEFAULTS = {"ignore_index": -100, "reduction": "mean", "label_smoothing": 0.0}
 _state = threading.local()
 
 
-def enter_loss_parallel():
+def enter_loss_parallel() -> None:
     _state.depth = getattr(_state, "depth", 0) + 1
 
 
-def exit_loss_parallel():
+def exit_loss_parallel() -> None:
     _state.depth = max(getattr(_state, "depth", 0) - 1, 0)
 
 
-def loss_parallel_enabled():
+def loss_parallel_enabled() -> bool:
     return getattr(_state, "depth", 0) > 0
 
 
@@ -64,7 +65,7 @@ def _replicated(call):
 
 
 @register_rule("cross_entropy", cacheable=False)  # reads whether loss_parallel() is on
-def cross_entropy_rule(call):
+def cross_entropy_rule(call: Any) -> Any:
     v = _values(call.args, call.kwargs)
     x, target = v["input"], v["target"]
     xs = call.spec(x)

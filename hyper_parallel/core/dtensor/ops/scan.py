@@ -7,13 +7,14 @@ stays sharded. An empty (uneven) piece has a zero total. Nested or strided split
 gathered instead. cumsum is linear, so a Partial(sum / avg) input stays Partial; other Partials are
 reduced first. (docs/dtensor.md walks through this rule as its worked example.)
 """
+from typing import Any
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
 from hyper_parallel.platform import get_platform
 
 
 @register_rule("cumsum")
-def cumsum_rule(call):
+def cumsum_rule(call: Any) -> Any:
     x = call.arg(0, "input")
     spec = call.spec(x)
     dim = call.arg(1, "dim")
