@@ -122,7 +122,8 @@ def _shifted_labels(arguments, context_parallel, ignore_index):
         raise ValueError("under context parallelism the model cannot shift labels= itself (the next token "
                          "of a rank's last token is on the next rank); shift on the whole sequence, "
                          "shard_sequence the result and pass it as shift_labels= (with num_items_in_batch= "
-                         "the global count of labels != -100, so the ranks' losses add up to the global mean)")
+                         "the global count of labels != -100, so the ranks' losses add up to the global "
+                         "mean)")
     # the model's own shift: token t predicts label t + 1, the last token nothing
     return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
 

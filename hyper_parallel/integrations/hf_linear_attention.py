@@ -56,7 +56,8 @@ def _qwen3_5_project(module, hidden):
 def _gdn_split(module, mixed):
     batch, length, _ = mixed.shape
     query, key, value = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
-    return (query.reshape(batch, length, -1, module.head_k_dim), key.reshape(batch, length, -1, module.head_k_dim),
+    return (query.reshape(batch, length, -1, module.head_k_dim),
+            key.reshape(batch, length, -1, module.head_k_dim),
             value.reshape(batch, length, -1, module.head_v_dim))
 
 

@@ -10,7 +10,8 @@ class LinearAlgebraContract:
     """Declared members of the chunked gated delta rule."""
 
     def solve_unit_lower(self, a: Any, b: Any) -> Any:
-        """x with (I + strictly_lower(a)) x = b over the last two dims (a's diagonal and upper part unread)."""
+        """x with (I + strictly_lower(a)) x = b over the last two dims (a's diagonal and upper part
+        unread)."""
         # forward substitution by rows: row i needs the rows before it only
         rows = []
         for i in range(a.shape[-2]):

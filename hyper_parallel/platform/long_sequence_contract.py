@@ -14,7 +14,8 @@ class LongSequenceContract:
     """Declared members of tiled_mlp and offload_activations."""
 
     def add_rows(self, target: Any, index: Any, source: Any) -> Any:
-        """``target`` with ``source[i]`` added to row ``index[i]`` (repeats accumulate); may update in place."""
+        """``target`` with ``source[i]`` added to row ``index[i]`` (repeats accumulate); may update in
+        place."""
         # one-hot products in blocks of rows: framework-neutral, O(block x rows of target) at a time
         rows = self.arange(target.shape[0], device=target.device).unsqueeze(1)
         for start in range(0, index.shape[0], 1024):

@@ -84,8 +84,8 @@ def first_call_of_signature(style: Any, cp_mesh: Any, qkv: Any) -> bool:
     from hyper_parallel.core.dtensor.dtensor import DTensor
     if debug_checks():
         return True
-    key = (lifetime_key(style), cp_mesh, tuple((tuple(t.shape), t.dtype,
-                                      t.placements if isinstance(t, DTensor) else None) for t in qkv))
+    key = (lifetime_key(style), cp_mesh,
+           tuple((tuple(t.shape), t.dtype, t.placements if isinstance(t, DTensor) else None) for t in qkv))
     if key in _VERIFIED:
         return False
     _VERIFIED.add(key)
@@ -104,7 +104,8 @@ def check_across_ranks(cp_mesh: Any, tensors: Any, prints: Any = (0, 0, 0)) -> A
     for m in range(cp_mesh.ndim):
         probe = platform.all_reduce(probe, cp_mesh.get_group(m), "max", tag="shape_check")
     # a dry run (hyper_parallel.plan, fake tensors) cannot read the peers' answer: agreement assumed
-    values = signature + [-x for x in signature] if platform.is_fake(probe) else [int(x) for x in probe.tolist()]
+    values = (signature + [-x for x in signature] if platform.is_fake(probe)
+              else [int(x) for x in probe.tolist()])
     top, bottom = values[:len(signature)], [-x for x in values[len(signature):]]
     n = len(tensors) * _WIDTH
     if top[:n] == bottom[:n]:

@@ -69,7 +69,8 @@ def _check_meshes(qkv, policy, cp_mesh):
     for name, t in zip(NAMES[1:], qkv[1:]):
         if not isinstance(t, DTensor):
             continue
-        fits = t.device_mesh == q.device_mesh if policy == "other_mesh" else _on_cp_mesh(t.device_mesh, cp_mesh)
+        fits = (t.device_mesh == q.device_mesh if policy == "other_mesh"
+                else _on_cp_mesh(t.device_mesh, cp_mesh))
         if not fits:
             where = f"q's mesh {q.device_mesh}" if policy == "other_mesh" else f"the CP mesh {cp_mesh}"
             raise ValueError(f"ContextParallel: {name} is a DTensor on {t.device_mesh}, not on {where}; pass "

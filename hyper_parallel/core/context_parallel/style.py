@@ -50,7 +50,8 @@ class ContextParallel(ParallelStyle):
         check_context_parallel(seq_dim, head_dim, ulysses_degree, chunks, memory_budget, qkv_indices)
         _check_auto(mode, ulysses_degree, load_balance, kv_exchange, memory_budget, calibration, causal, tune)
         if seq_dim == head_dim:
-            raise ValueError(f"seq_dim and head_dim must differ (got {seq_dim}); use 1/2 for BSHD, 2/1 for BNSD")
+            raise ValueError(f"seq_dim and head_dim must differ (got {seq_dim}); use 1/2 for BSHD, "
+                             "2/1 for BNSD")
         if ulysses_degree is not None and (not isinstance(ulysses_degree, int) or ulysses_degree < 1):
             raise ValueError(f"ulysses_degree must be a positive int or None, got {ulysses_degree!r}")
         if load_balance and ulysses_degree != 1:
@@ -97,8 +98,9 @@ class ContextParallel(ParallelStyle):
         """The CP mesh: 1-D for pure Ulysses / all-gather, a 2-D mesh named ("co", "ds") in either
         order for the hybrid (used by name: rank (co=c, ds=d) holds sequence block c·ds + d)."""
         if self.mode == "auto" and mesh.ndim != 1:
-            raise ValueError(f"ContextParallel(mode='auto') chooses the hybrid's layout itself and needs a 1-D "
-                             f"CP mesh, got {mesh.ndim}-D {mesh.mesh_dim_names}; pass mesh['cp'] (or flatten)")
+            raise ValueError("ContextParallel(mode='auto') chooses the hybrid's layout itself and needs a "
+                             f"1-D CP mesh, got {mesh.ndim}-D {mesh.mesh_dim_names}; pass mesh['cp'] "
+                             "(or flatten)")
         if mesh.ndim == 2:
             names = mesh.mesh_dim_names
             if names is None or sorted(names) != ["co", "ds"]:
@@ -111,16 +113,16 @@ class ContextParallel(ParallelStyle):
             # (load balancing and the pure ring run on one dim)
             return mesh["co"] if mesh.size("ds") == 1 else mesh
         if mesh.ndim != 1:
-            raise ValueError(f"ContextParallel needs a 1-D CP mesh or a 2-D ('co', 'ds') mesh, got {mesh.ndim}-D "
-                             f"{mesh.mesh_dim_names}; slice it, e.g. mesh['cp']")
+            raise ValueError("ContextParallel needs a 1-D CP mesh or a 2-D ('co', 'ds') mesh, got "
+                             f"{mesh.ndim}-D {mesh.mesh_dim_names}; slice it, e.g. mesh['cp']")
         cp = mesh.size()
         ds = self.ulysses_degree or cp
         if cp % ds:
             raise ValueError(f"ulysses_degree={ds} does not divide the context-parallel size {cp}")
         if self.kv_exchange == "ring" and ds == cp and cp > 1:
             raise ValueError(f"kv_exchange='ring' rings K/V over cp/ulysses_degree ranks, but ulysses_degree="
-                             f"{self.ulysses_degree} leaves none (cp={cp}); set ulysses_degree=1 for pure ring "
-                             f"or 1 < ulysses_degree < {cp} for Ulysses x ring")
+                             f"{self.ulysses_degree} leaves none (cp={cp}); set ulysses_degree=1 for pure "
+                             f"ring or 1 < ulysses_degree < {cp} for Ulysses x ring")
         if 1 < ds < cp:
             return mesh._unflatten(0, (cp // ds, ds), ("co", "ds"))
         return mesh

@@ -43,7 +43,8 @@ def describe(dtensor: Any) -> Any:
     mesh = remember_mesh(spec.mesh)
     grid = tuple(int(r) for r in mesh.rank_list)
     mesh_desc = (mesh.device_type, tuple(mesh.mesh_shape), grid, mesh.mesh_dim_names)
-    local = dtensor._local_tensor.detach() if hasattr(dtensor._local_tensor, "detach") else dtensor._local_tensor
+    local = dtensor._local_tensor
+    local = local.detach() if hasattr(local, "detach") else local
     return (local, mesh_desc, tuple(_encode_placement(p) for p in spec.placements),
             tuple(int(s) for s in spec.shape), bool(dtensor.requires_grad))
 
@@ -74,7 +75,8 @@ def checkpoint_box(dtensor: Any) -> Any:
     for p in spec.placements:
         if isinstance(p, HeadTailShard) or p.is_partial():
             raise ValueError(f"checkpointing a DTensor laid out as {spec.placements}: its piece is not one "
-                             f"block of the global tensor; redistribute it to Shard/Replicate placements first")
+                             "block of the global tensor; redistribute it to Shard/Replicate placements "
+                             "first")
     box = spec.local_box()
     offsets = tuple(int(start) for start, _ in box)
     sizes = tuple(int(size) for _, size in box)

@@ -285,8 +285,8 @@ class DeviceMesh:
         platform = get_platform()
         if mesh is None:
             if len(groups) != 1:
-                raise ValueError(f"DeviceMesh.from_group with {len(groups)} groups needs mesh= (the rank grid, "
-                                 f"one dim per group)")
+                raise ValueError(f"DeviceMesh.from_group with {len(groups)} groups needs mesh= (the rank "
+                                 f"grid, one dim per group)")
             mesh = list(platform.group_ranks(groups[0]))
         array = np.asarray(mesh.tolist() if hasattr(mesh, "tolist") else mesh, dtype=np.int64)
         if array.ndim != len(groups):
@@ -349,7 +349,8 @@ def init_device_mesh(device_type: Any, mesh_shape: Any, *, mesh_dim_names: Any =
     if -1 in mesh_shape:
         if world % known:
             raise ValueError(f"mesh_shape {mesh_shape}: the world size {world} is not divisible by "
-                             f"{known}, so the -1 entry cannot be inferred; give sizes whose product is {world}")
+                             f"{known}, so the -1 entry cannot be inferred; give sizes whose product is "
+                             f"{world}")
         mesh_shape = tuple(world // known if s == -1 else s for s in mesh_shape)
     if math.prod(mesh_shape) != world:
         raise ValueError(f"mesh_shape {mesh_shape} holds {math.prod(mesh_shape)} ranks but the world has "
@@ -366,7 +367,8 @@ def _check_shape(mesh_shape):
     except TypeError:
         raise ValueError(f"init_device_mesh: mesh_shape={mesh_shape!r} must be a tuple of positive ints, "
                          f"e.g. (2, 4)") from None
-    bad = [s for s in shape if isinstance(s, bool) or not isinstance(s, numbers.Integral) or (s < 1 and s != -1)]
+    bad = [s for s in shape
+           if isinstance(s, bool) or not isinstance(s, numbers.Integral) or (s < 1 and s != -1)]
     if bad or not shape:
         raise ValueError(f"init_device_mesh: mesh_shape={mesh_shape!r} has size(s) {bad or 'none'}; every "
                          f"size must be a positive int (one may be -1, inferred from the world size)")

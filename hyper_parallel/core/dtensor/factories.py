@@ -36,7 +36,8 @@ def _create(kind, size, device_mesh, placements, dtype, requires_grad, fill_valu
         # the whole tensor, then this rank's piece: the single-device values (and, for Partial,
         # the value on one rank with zeros elsewhere, which sums to it)
         whole = platform.create_tensor(kind, shape, dtype, device, fill_value)
-        local = as_layout(DTensor._make(whole, spec.with_placements((Replicate(),) * mesh.ndim)), spec)._local_tensor
+        replicated = DTensor._make(whole, spec.with_placements((Replicate(),) * mesh.ndim))
+        local = as_layout(replicated, spec)._local_tensor
     else:
         local = platform.create_tensor(kind, spec.local_shape, dtype, device, fill_value)
     out = DTensor._make(local, spec)

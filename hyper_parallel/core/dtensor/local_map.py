@@ -76,7 +76,8 @@ def _to_local(func, i, arg, mesh, in_placements, in_grad_placements, redistribut
         want = normalize_placements(want, arg.ndim, mesh.ndim)
         if want != arg.placements:
             if not redistribute:
-                raise ValueError(f"local_map({_name(func)}): argument {i} has placements {arg.placements} but "
+                raise ValueError(f"local_map({_name(func)}): argument {i} has placements {arg.placements} "
+                                 "but "
                                  f"in_placements asks for {want}; pass redistribute_inputs=True or "
                                  f"redistribute it first")
             arg = arg.redistribute(mesh, want)

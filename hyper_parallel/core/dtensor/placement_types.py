@@ -73,7 +73,8 @@ class StridedShard(Shard):
         return StridedShard(dim, self.split_factor)
 
     def __eq__(self, other):
-        return type(other) is StridedShard and (other.dim, other.split_factor) == (self.dim, self.split_factor)
+        return (type(other) is StridedShard
+                and (other.dim, other.split_factor) == (self.dim, self.split_factor))
 
     def __hash__(self):
         return hash(("SS", self.dim, self.split_factor))

@@ -110,7 +110,8 @@ def shard_parameters(module: Any, mesh: Any, placements: Any, src_data_rank: Any
             if tuple(param.placements) == (placement.normalized(param.ndim),) and param.device_mesh == mesh:
                 continue  # already in this layout (the style was applied twice)
             raise ValueError(f"parameter {name!r} of {type(module).__name__} is already a DTensor "
-                             f"({param.placements} on {param.device_mesh}); a module can be parallelized once")
+                             f"({param.placements} on {param.device_mesh}); a module can be parallelized "
+                             "once")
         dt = distribute_tensor(platform.detach(param), mesh, [placement], src_data_rank=src_data_rank)
         platform.set_parameter(module, name, dt.requires_grad_(param.requires_grad))
 

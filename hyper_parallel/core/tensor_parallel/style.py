@@ -104,7 +104,8 @@ class RowwiseParallel(ParallelStyle):
         if kind is None:
             raise _unsupported(self, module)
         if kind == "linear":
-            shard_parameters(module, device_mesh, {"weight": Shard(1), "bias": Replicate()}, self.src_data_rank)
+            shard_parameters(module, device_mesh, {"weight": Shard(1), "bias": Replicate()},
+                             self.src_data_rank)
             input_layout, desired = self.input_layouts or Shard(-1), Shard(-1)
         else:
             shard_parameters(module, device_mesh, {_embedding_weight(module): Shard(0)}, self.src_data_rank)
@@ -206,7 +207,7 @@ class NoParallel(ParallelStyle):
 
         def post_hook(mod, args, output):
             return map_outputs(output, lambda o: from_dtensor(o, device_mesh, self.output_layout,
-                                                               self.use_local_output))
+                                                              self.use_local_output))
 
         platform.register_forward_pre_hook(module, pre_hook)
         platform.register_forward_hook(module, post_hook)

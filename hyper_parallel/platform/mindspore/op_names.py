@@ -101,10 +101,11 @@ def _empty_safe(op, args, kwargs):
     contraction = op.ms_name in _MATMULS and first is not None and first.shape and first.shape[-1] == 0
     if not all_empty and first is not None and 0 in tuple(first.shape):
         if op.ms_name in _EMPTY_REDUCTION_ERRORS:
-            raise IndexError(f"{op.ms_name}: reduction of an empty tensor (shape {tuple(first.shape)}) has no "
-                             f"identity (torch raises too)")
+            raise IndexError(f"{op.ms_name}: reduction of an empty tensor (shape {tuple(first.shape)}) "
+                             f"has no identity (torch raises too)")
         if op.ms_name in _EMPTY_REDUCTION_FILL:
-            return _ZeroGrad.apply(_Filled(op, _EMPTY_REDUCTION_FILL[op.ms_name]), args, kwargs, *_tensors(args))
+            filled = _Filled(op, _EMPTY_REDUCTION_FILL[op.ms_name])
+            return _ZeroGrad.apply(filled, args, kwargs, *_tensors(args))
     if not (all_empty or contraction):
         return op.run(*args, **kwargs)
     return _ZeroGrad.apply(op, args, kwargs, *_tensors(args))
@@ -243,6 +244,7 @@ def _bias_add(args, kwargs):
 
 _add("BiasAdd", "elementwise", meta.elementwise, "add", _bias_add)
 
+
 # ------------------------------------------------------------------------------ matmul / linear
 def _empty_contraction(shape_fn, *args):
     """MindSpore's CPU matmul kernels may return uninitialised memory (not zeros) when the
@@ -287,6 +289,7 @@ def _legacy_matmul(args, kwargs):
     tb = bool(args[3]) if len(args) > 3 else bool(kwargs.get("transpose_b", False))
     if ta or (tb and getattr(b, "ndim", 0) != 2):
         return None
+
     def runner(invoke, x, y):
         if x.shape and x.shape[-1] == 0:
             return _empty_contraction(meta.linear if tb else meta.matmul, x, y)
@@ -348,6 +351,7 @@ def _legacy_dropout(args, kwargs):
     """ops.dropout's primitive: Dropout(x, keep_prob, seed0, seed1) -> (out, mask)."""
     x, keep = args[0], float(args[1]) if len(args) > 1 else 0.5
     seeds = tuple(args[2:])
+
     def runner(invoke, x, p, training):
         return invoke(x, keep, *seeds)
     return (x, 1.0 - keep, True), {}, None, runner, (keep,) + seeds

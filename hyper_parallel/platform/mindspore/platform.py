@@ -35,7 +35,8 @@ from hyper_parallel.platform.mindspore.dtensor_base import MindSporeDTensorBase
 _LAUNCHER_ENV = ("MS_ROLE", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT")
 
 
-class MindSporePlatform(MindSporeTrainingSupport, MindSporeLongSequence, MindSporeComputeState,  # training.py: DP
+# MindSporeTrainingSupport: training.py (DP)
+class MindSporePlatform(MindSporeTrainingSupport, MindSporeLongSequence, MindSporeComputeState,
                         Platform):
     name = "mindspore"
     Tensor = ms.Tensor

@@ -230,7 +230,7 @@ class Collectives:
                 received, blocks, group=group, async_op=async_op), async_op)
             return self._finish(async_op, works,
                                 lambda: _reduce_stack(received if perm is None else received[perm[0]],
-                                                  op, n))
+                                                      op, n))
         out = torch.empty(blocks.shape[1:], dtype=tensor.dtype, device=tensor.device)
         native_op = dist.ReduceOp.AVG if op == "avg" and not self._backend_is(group, "gloo") \
             else _REDUCE_OPS[op]

@@ -60,5 +60,5 @@ def register_grad_arrival_hook(param: torch.Tensor, hook: Callable) -> object:
 STATE_METHODS = (staticmethod(register_optimizer_step_pre_hook), staticmethod(register_grad_arrival_hook))
 
 PLATFORM_METHODS = tuple(staticmethod(f) for f in (free_storage, alloc_storage, untracked, swap_parameter,
-                                                    register_multi_grad_hook, is_autograd_leaf,
-                                                    queue_backward_callback))
+                                                   register_multi_grad_hook, is_autograd_leaf,
+                                                   queue_backward_callback))

@@ -40,11 +40,11 @@ class Choice:
     over_budget: list = field(default_factory=list)         # candidates refused by memory_budget
 
     def __str__(self):
-        times = ", ".join(f"{n} {s * 1e3:.3g} ms" for n, s in sorted(self.predicted_seconds.items(),
-                                                                    key=lambda kv: kv[1]))
+        times = ", ".join(f"{n} {s * 1e3:.3g} ms"
+                          for n, s in sorted(self.predicted_seconds.items(), key=lambda kv: kv[1]))
         over = f"; over memory_budget: {', '.join(self.over_budget)}" if self.over_budget else ""
-        timed = ", ".join(f"{n} {s * 1e3:.3g} ms" for n, s in sorted(self.measured_seconds.items(),
-                                                                    key=lambda kv: kv[1]))
+        timed = ", ".join(f"{n} {s * 1e3:.3g} ms"
+                          for n, s in sorted(self.measured_seconds.items(), key=lambda kv: kv[1]))
         timed = f"; timed fwd+bwd: {timed}" if timed else ""
         return f"chose {self.mode} ({self.kwargs}); predicted fwd+bwd: {times}{timed}{over}"
 

@@ -27,8 +27,10 @@ def check_delta_rule(q: Any, k: Any, v: Any, g: Any, beta: Any, mode: Any, chunk
     b, t, h_k, d_k = k.shape
     h_v = v.shape[2]
     if tuple(q.shape) != tuple(k.shape) or v.shape[:2] != k.shape[:2] or h_v % h_k:
-        raise ValueError(f"delta rule: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: q "
-                         "and k must match and v's value heads must be a multiple of k's heads, same batch and seq")
+        raise ValueError(f"delta rule: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not "
+                         "fit: q "
+                         "and k must match and v's value heads must be a multiple of k's heads, same batch "
+                         "and seq")
     gates = ((b, t, h_v), (b, t, h_v, d_k))
     if tuple(g.shape) not in gates or tuple(beta.shape) != gates[0]:
         raise ValueError(f"delta rule: g {tuple(g.shape)} / beta {tuple(beta.shape)}; pass g as {gates[0]} "

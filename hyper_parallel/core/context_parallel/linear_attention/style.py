@@ -26,7 +26,8 @@ class LinearAttentionContextParallel(ParallelStyle):
     def apply(self, module: Any, device_mesh: Any) -> Any:
         if device_mesh.ndim != 1:
             raise ValueError(f"LinearAttentionContextParallel: the mesh has {device_mesh.ndim} dims "
-                             f"{device_mesh.mesh_dim_names}; pass the 1-D context-parallel mesh (e.g. mesh['cp'])")
+                             f"{device_mesh.mesh_dim_names}; pass the 1-D context-parallel mesh (e.g. "
+                             "mesh['cp'])")
         group, mode = device_mesh.get_group(), self.mode
 
         def wrap(original):

@@ -87,8 +87,9 @@ def _chunks(inputs, n):
 
 
 _STAGES = BoundedCache(256)    # per chunk signature: the stages (they hold no tensors)
-_WHOLE_OUTPUT_SHAPES = BoundedCache(256)    # per (style, call signature): the global shape of the whole call's output (learnt from
-#                a call run whole), or None where the chunk outputs could not be joined: run whole
+# per (style, call signature): the global shape of the whole call's output (learnt from a call run
+# whole), or None where the chunk outputs could not be joined: run whole
+_WHOLE_OUTPUT_SHAPES = BoundedCache(256)
 
 
 def _signature(blocks, inputs, ulysses_dims, gather_dims):
@@ -131,8 +132,9 @@ def _new_stages(blocks, inputs, ulysses_dims, gather_dims):
     staged = [mode_placements(b.placements, mesh, ndim, seq, head, ulysses_dims, [])[0] for b in blocks]
     stages = []
     if ulysses_dims:
-        stages.append(QKVAllToAll.plan(mesh, [b.shape for b in blocks], [b.placements for b in blocks], staged,
-                                       [tuple(b.local.shape) for b in blocks], [b.local.dtype for b in blocks]))
+        stages.append(QKVAllToAll.plan(mesh, [b.shape for b in blocks], [b.placements for b in blocks],
+                                       staged, [tuple(b.local.shape) for b in blocks],
+                                       [b.local.dtype for b in blocks]))
     if gather_dims:
         targets = [mode_placements(b.placements, mesh, ndim, seq, head, ulysses_dims, gather_dims)[1]
                    for b in blocks]

@@ -29,8 +29,8 @@ pass-through dims (``_run_differentiable``), so gradients are the slow path's ex
 from typing import Any
 from hyper_parallel.core.bounded_cache import BoundedCache
 from hyper_parallel.core.dtensor.dispatch import decision_cache
-from hyper_parallel.core.dtensor.dispatch.dispatcher import (_passthrough, dispatch_function, ensure_leaf_grad_layout,
-                                                  input_grad_placements)
+from hyper_parallel.core.dtensor.dispatch.dispatcher import (_passthrough, dispatch_function,
+                                                             ensure_leaf_grad_layout, input_grad_placements)
 from hyper_parallel.core.dtensor.dtensor import DTensor, GradPassThrough, attach
 from hyper_parallel.core.dtensor.dispatch.fast_autograd import from_local, to_locals
 from hyper_parallel.core.dtensor.dispatch.interceptors import _stack, involved

@@ -1,5 +1,6 @@
 """Sharding rules. Importing this package registers every rule module."""
-from hyper_parallel.core.dtensor.ops.registry import OpCall, OpStrategy, get_rule, register_rule, registered_ops
+from hyper_parallel.core.dtensor.ops.registry import (OpCall, OpStrategy, get_rule, register_rule,
+                                                      registered_ops)
 from hyper_parallel.core.dtensor.ops import (  # noqa: F401  (registration side effects)
     addmm,
     advanced_index,

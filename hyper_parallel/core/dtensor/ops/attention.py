@@ -189,8 +189,6 @@ def _offset_backward(ctx, grad_out):
     return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-
-
 def _offset_attention(q, k, v, prefix, scale):
     """Causal attention of L query rows on keys [0, prefix + L'): row i sees keys j <= prefix + i."""
     return _OFFSET_ATTENTION(q, k, v, prefix, scale)

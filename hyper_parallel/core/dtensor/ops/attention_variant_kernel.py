@@ -17,7 +17,7 @@ from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.dtensor.ops.attention import expand_heads, fold_heads
 from hyper_parallel.core.dtensor.ops.attention_band import band_mask, key_cuts, relation
 from hyper_parallel.core.dtensor.ops.attention_lse import (NEG_INF, clear_empty_rows, fold_sinks, merge,
-                                                        sinks_grad)
+                                                           sinks_grad)
 from hyper_parallel.platform import get_platform
 
 SEQ = 2

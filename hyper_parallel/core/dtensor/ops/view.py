@@ -89,7 +89,8 @@ def view_rule(call: Any) -> Any:
 
     def view_local_piece(call_, args, kwargs):
         return args[0].reshape(local_out)
-    return OpStrategy(inputs=[inputs] + [None] * (len(call.specs) - 1), outputs=outputs, local=view_local_piece)
+    return OpStrategy(inputs=[inputs] + [None] * (len(call.specs) - 1), outputs=outputs,
+                      local=view_local_piece)
 
 
 @register_rule("expand")
