@@ -11,7 +11,7 @@ import weakref
 
 from hyper_parallel.platform import on_reset
 
-_ALL = []   # weak references to every cache
+_ALL: list[Any] = []   # weak references to every cache
 
 
 class BoundedCache(dict):

@@ -12,9 +12,9 @@ from hyper_parallel.platform import get_platform
 
 class CommDebugMode:
     def __init__(self) -> None:
-        self.counts = Counter()
-        self.bytes = Counter()
-        self.log = []
+        self.counts: Any = Counter()
+        self.bytes: Any = Counter()
+        self.log: list[Any] = []
 
     def _observe(self, op, nbytes, ranks):
         self.counts[op] += 1

@@ -100,7 +100,7 @@ class _LatentPath:
         return masks or {}
 
 
-_RESTRICTIONS = weakref.WeakKeyDictionary()   # MLA module -> the restriction its mask was found to make
+_RESTRICTIONS: Any = weakref.WeakKeyDictionary()   # MLA module -> the restriction its mask was found to make
 
 
 def _check_call(module, attention_mask, cache, kwargs):

@@ -39,7 +39,7 @@ _WHY = (
 )
 
 
-_EXACT = weakref.WeakSet()   # modules whose CP forward is exact on sequence blocks
+_EXACT: Any = weakref.WeakSet()   # modules whose CP forward is exact on sequence blocks
 _PROBING = [False]
 
 

@@ -9,7 +9,7 @@ dense layers are cut to k - 1) is an approximation.
 """
 import collections
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 from hyper_parallel.plan.report import DryRunReport
 
@@ -36,7 +36,7 @@ def _comm(small: dict, large: dict, t: float) -> dict:
 def extrapolate(small: DryRunReport, large: DryRunReport, k: int, layers: int) -> DryRunReport:
     """The report of ``layers`` layers from those of k (``small``) and 2k (``large``) layers."""
     t = (layers - k) / k
-    ops = collections.Counter()
+    ops: Any = collections.Counter()
     for key in set(small.ops) | set(large.ops):
         ops[key] = max(0.0, _line(small.ops.get(key, 0), large.ops.get(key, 0), t))
     memory = {c: int(round(_line(small.memory_bytes[c], large.memory_bytes[c], t)))

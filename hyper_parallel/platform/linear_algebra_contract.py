@@ -13,7 +13,7 @@ class LinearAlgebraContract:
         """x with (I + strictly_lower(a)) x = b over the last two dims (a's diagonal and upper part
         unread)."""
         # forward substitution by rows: row i needs the rows before it only
-        rows = []
+        rows: list[Any] = []
         for i in range(a.shape[-2]):
             row = b[..., i:i + 1, :]
             if i:

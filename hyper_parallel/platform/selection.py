@@ -70,7 +70,7 @@ def get_platform() -> Any:
     return _platform
 
 
-_on_reset = []
+_on_reset: list[Any] = []
 
 
 def on_reset(callback: Any) -> None:

@@ -20,7 +20,7 @@ from hyper_parallel.core.tensor_parallel.style import ParallelStyle
 from hyper_parallel.platform import get_platform
 
 KV_EXCHANGES = ("allgather", "ring")
-_active = contextvars.ContextVar("hp_context_parallel_active", default=frozenset())
+_active: Any = contextvars.ContextVar("hp_context_parallel_active", default=frozenset())
 # a module's split-phase call (start_attention) lives on the module: a global table would keep it, and
 # through its closure the module and its weights, alive after the model is gone
 _STARTER = "_hp_cp_start"

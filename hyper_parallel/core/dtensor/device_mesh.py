@@ -53,7 +53,7 @@ class DeviceMesh:
         self._root = _root
         self._full = array.reshape((1,) + array.shape) if _full is None else _full
         self._root_dims = _root_dims if _root_dims is not None else tuple((d,) for d in range(array.ndim))
-        self._flattened = {}
+        self._flattened: dict[Any, Any] = {}
         self._timeout = _timeout
         if not platform.is_initialized():
             platform.init_process_group()

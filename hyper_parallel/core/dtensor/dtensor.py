@@ -156,7 +156,7 @@ class GradPassThrough:
 
     def __init__(self, dims: Any) -> None:
         self.dims = frozenset(dims)
-        self.partial = frozenset()
+        self.partial: Any = frozenset()
 
 
 _PARTIAL_SUM = Partial("sum")

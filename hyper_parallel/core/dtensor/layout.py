@@ -30,7 +30,7 @@ def chunk_range(start: Any, length: Any, parts: Any, index: Any) -> Any:
 
 def shard_orders(placements: Any, mesh_shape: Any, ndim: Any) -> Any:
     """For each tensor dim, the mesh dims that split it, in the order the splits apply."""
-    orders = [[] for _ in range(ndim)]
+    orders: Any = [[] for _ in range(ndim)]
     for m in reversed(range(len(placements))):
         p = placements[m]
         if not p.is_shard():

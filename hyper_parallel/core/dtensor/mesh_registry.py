@@ -8,7 +8,7 @@ from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, current_mesh
 from hyper_parallel.platform import get_platform
 
 # meshes this process has made DTensors on, by identity (mesh shape, dim names, ranks)
-_MESHES = weakref.WeakValueDictionary()
+_MESHES: Any = weakref.WeakValueDictionary()
 
 
 def remember_mesh(mesh: Any) -> Any:

@@ -43,7 +43,7 @@ class RedistributePlanner:
         self.mesh_shape, self.coordinate, self.shape = mesh_shape, coordinate, shape
         self.src, self.dst = src, dst
         self.orders = self.target = self.state = None
-        self.steps = []
+        self.steps: list[Any] = []
         # chunking only depends on the kind of shard per mesh dim; HeadTail only appears in dst
         self.chunk_layout = tuple(dst[m] if isinstance(dst[m], HeadTailShard) else Shard(0)
                                   for m in range(len(src)))

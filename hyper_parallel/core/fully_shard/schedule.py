@@ -13,11 +13,11 @@ class Schedule:
     def __init__(self, states: Any) -> None:
         self.states = states                 # every unit under the root, root first
         self.forward_order = list(states)    # until a forward has been seen
-        self._pre = []
-        self._post = []
-        self.backward_order = []
+        self._pre: list[Any] = []
+        self._post: list[Any] = []
+        self.backward_order: list[Any] = []
         self.pending_final = False           # the end-of-backward callback is queued
-        self._calls = {}                     # unit -> forward calls since the root's forward began
+        self._calls: dict[Any, Any] = {}    # unit -> forward calls since the root's forward began
 
     def begin_forward(self) -> None:
         self._pre, self._post = [], []

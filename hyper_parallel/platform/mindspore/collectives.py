@@ -37,7 +37,7 @@ class Collectives:
 
     def __init__(self, platform: Any) -> None:
         self._platform = platform
-        self._groups = {}
+        self._groups: dict[Any, Any] = {}
         self._world = None
 
     # =========================================================================== groups

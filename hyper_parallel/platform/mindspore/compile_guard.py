@@ -150,7 +150,7 @@ def _parsing_ours(exc):
 
 # graphs (MindSpore's cache keys) compiled with a DTensor's placeholder in them: refused on every call,
 # also when MindSpore reuses the cached graph without converting anything again
-_REFUSED = {}
+_REFUSED: dict[Any, Any] = {}
 
 
 def _sighted(who, seen):

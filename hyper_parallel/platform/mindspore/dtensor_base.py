@@ -40,7 +40,7 @@ from hyper_parallel.platform.mindspore import op_names_models  # noqa: F401
 
 _LIKE = {"ZerosLike", "OnesLike", "ZerosLikeExt", "OnesLikeExt", "EmptyLike", "FullLike", "RandLikeExt",
          "RandnLikeExt"}
-_OPS = {}
+_OPS: dict[Any, Any] = {}
 
 
 def _is_inplace(name):
@@ -206,7 +206,7 @@ class MindSporeDTensorBase(ms.Tensor):
 
 
 # ============================================================================== helpers
-_PLACEHOLDERS = {}
+_PLACEHOLDERS: dict[Any, Any] = {}
 
 
 def _placeholder(dtype):

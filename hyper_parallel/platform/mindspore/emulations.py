@@ -19,7 +19,7 @@ import mindspore.mint.distributed as msdist
 from hyper_parallel.platform.handles import CompletedHandle
 from hyper_parallel.platform.mindspore.groups import handle, nbytes, numel, then
 
-_REGISTRY = {}   # collective -> (description, scope)
+_REGISTRY: dict[Any, Any] = {}   # collective -> (description, scope)
 
 
 def register(collective: Any, description: Any, scope: str = "cpu") -> None:
@@ -109,7 +109,7 @@ def all_to_all_list(comm: Any, tensors: Any, group: Any, out_shapes: Any, async_
 def p2p_exchange(comm: Any, sends: Any, recvs: Any, group: Any, async_op: Any) -> Any:
     """Point-to-point as a group collective: every rank of ``group`` calls it at the same point."""
     n = len(group)
-    per_dst = [[] for _ in range(n)]
+    per_dst: Any = [[] for _ in range(n)]
     for tensor, dst in sends:
         per_dst[group.ranks.index(dst)].append(tensor)
     counts = [0] * n

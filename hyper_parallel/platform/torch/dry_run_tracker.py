@@ -63,12 +63,12 @@ class StepTracker(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.phase = "setup"
-        self._live = {}        # id(storage) -> [weakref, bytes, phase, used by a collective]
+        self._live: dict[Any, Any] = {}        # id(storage) -> [weakref, bytes, phase, used by a collective]
         self.live_bytes = 0
         self.peak_bytes = 0
-        self._peak = []        # [(weakref, bytes, phase, comm)] at the peak
+        self._peak: list[Any] = []        # [(weakref, bytes, phase, comm)] at the peak
         self.flops = 0
-        self.ops = collections.Counter()   # (flops, bytes touched) -> count, of ops with a FLOP formula
+        self.ops: Any = collections.Counter()   # (flops, bytes touched) -> count, of ops with a FLOP formula
         self.memory_bound_bytes = 0
 
     def adopt(self, tensors: Any, phase: str = "setup") -> None:

@@ -81,7 +81,7 @@ class AutoMode:
     def __init__(self, style: Any) -> None:
         self.style = style
         self._chosen = BoundedCache(256)    # signature -> (Choice, sub-style, its mesh)
-        self._styles = {}                   # candidate -> (sub-style, its mesh)
+        self._styles: dict[Any, Any] = {}                   # candidate -> (sub-style, its mesh)
 
     def resolve(self, mesh: Any, qkv: Any) -> Any:
         """(sub-style, its mesh) for this call, choosing on a new signature."""

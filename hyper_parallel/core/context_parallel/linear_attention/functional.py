@@ -16,7 +16,7 @@ from hyper_parallel.core.context_parallel.linear_attention.delta_rule import (
     context_parallel_delta_rule, cp_group)
 from hyper_parallel.platform import get_platform
 
-_ACTIVE = []   # (group, mode) of the parallelized forwards running now, innermost last
+_ACTIVE: list[Any] = []   # (group, mode) of the parallelized forwards running now, innermost last
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ from hyper_parallel.core.context_parallel.movement import Block, KVAllGather, QK
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.platform import get_platform
 
-_observers = []
+_observers: list[Any] = []
 
 
 @contextlib.contextmanager

@@ -46,7 +46,7 @@ def store(key: Any, strategy: Any, out_shapes: Any) -> None:
     _DECISIONS[key] = (strategy, out_shapes)
 
 
-ON_CLEAR = []   # other caches built on these decisions (fast_path.py) register their clear here
+ON_CLEAR: list[Any] = []   # other caches built on these decisions (fast_path.py) register their clear here
 
 
 def clear() -> None:

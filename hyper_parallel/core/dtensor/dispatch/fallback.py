@@ -8,15 +8,15 @@ from hyper_parallel.core.dtensor.dtensor import DTensor, attach
 from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.platform import get_platform
 
-_warned = set()
-_recorders = []
+_warned: set[Any] = set()
+_recorders: list[Any] = []
 
 
 @contextlib.contextmanager
 def recording_fallbacks() -> Iterator[Any]:
     """Collect the names of the ops that take the fallback inside the block (the op sweep's table
     and tests use it to tell a rule from a fallback)."""
-    names = set()
+    names: set[Any] = set()
     _recorders.append(names)
     try:
         yield names

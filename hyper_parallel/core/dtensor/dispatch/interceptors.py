@@ -22,11 +22,11 @@ _stack = contextvars.ContextVar("hp_dispatch_interceptors", default=())
 
 
 class Interceptor:
-    pass_through = frozenset()
-    consumers = frozenset()
+    pass_through: frozenset[Any] = frozenset()
+    consumers: frozenset[Any] = frozenset()
 
     def __init__(self) -> None:
-        self._followed = {}
+        self._followed: dict[Any, Any] = {}
 
     def follow(self, tensor: Any) -> None:
         self._followed[id(tensor)] = weakref.ref(tensor)

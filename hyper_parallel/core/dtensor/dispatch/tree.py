@@ -4,7 +4,7 @@ so it is hashable (the decision cache keys calls by it) whenever the dict keys a
 Most op calls are ``(args, {})`` with no nesting: their structure is shared per arity, and both
 directions take a short path (dispatch flattens and rebuilds every call's arguments)."""
 from typing import Any
-_FLAT = {}
+_FLAT: dict[Any, Any] = {}
 
 
 def _flat_structure(n):
@@ -20,7 +20,7 @@ def tree_flatten(obj: Any) -> Any:
         return list(obj[0]), _flat_structure(len(obj[0]))
     if not isinstance(obj, (list, tuple, dict)):
         return [obj], None
-    leaves = []
+    leaves: list[Any] = []
     return leaves, _walk(obj, leaves)
 
 

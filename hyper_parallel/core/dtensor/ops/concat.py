@@ -23,7 +23,7 @@ def common_placements(specs: Any, cat_dim: Any, mesh: Any) -> Any:
     """The layout every input takes (``cat_dim``: the dim that must stay whole, or None)."""
     chosen = []
     for m in range(mesh.ndim):
-        votes = {}
+        votes: dict[Any, Any] = {}
         for s in specs:
             p = s.placements[m]
             if p.is_shard() and p.dim != cat_dim:

@@ -8,11 +8,11 @@ that runs the op on the shards (to pass local shapes, offsets or masks).
 from typing import Any
 from dataclasses import dataclass
 
-_RULES = {}
-_OVERRIDES = {}   # name -> rule registered by the user (register_sharding), consulted first
+_RULES: dict[Any, Any] = {}
+_OVERRIDES: dict[Any, Any] = {}   # name -> rule registered by the user (register_sharding), consulted first
 
 
-_UNCACHEABLE = set()
+_UNCACHEABLE: set[Any] = set()
 
 
 def register_rule(*names: Any, cacheable: bool = True) -> Any:
@@ -29,7 +29,8 @@ def register_rule(*names: Any, cacheable: bool = True) -> Any:
     return decorator
 
 
-_ATEN_ROUTES = {}   # aten op name -> (rule name, whether its in-place form ``name_`` writes self)
+# aten op name -> (rule name, whether its in-place form ``name_`` writes self)
+_ATEN_ROUTES: dict[Any, Any] = {}
 
 
 def register_aten(rule_name: str, *aten_names: Any, in_place: bool = False) -> None:
@@ -82,7 +83,7 @@ class OpCall:
         self.mesh = mesh
         self.dtensors = dtensors            # DTensor leaves, in flatten order
         self.specs = [d._spec for d in dtensors]
-        self._index = {}
+        self._index: dict[Any, Any] = {}
         for i, d in enumerate(dtensors):
             self._index.setdefault(id(d), i)  # an input passed twice answers to its first position
 

@@ -29,8 +29,8 @@ from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.core.dtensor.spec import DTensorSpec
 from hyper_parallel.platform import get_platform
 
-_BY_NAME = {}    # neutral op name -> user function (consulted before the built-in rules)
-_BY_OP = {}      # op object (aten level) -> user function
+_BY_NAME: dict[Any, Any] = {}    # neutral op name -> user function (consulted before the built-in rules)
+_BY_OP: dict[Any, Any] = {}      # op object (aten level) -> user function
 
 
 def register_sharding(op: Any) -> Any:
@@ -77,8 +77,8 @@ def strategy(fn: Any, name: str, args: Any, kwargs: Any, dtensors: Any, mesh: An
     positions = [i for i, a in enumerate(args) if isinstance(a, DTensor)]
     _check(name, options, args)
     shapes = out_shapes()
-    chosen_in = {i: [] for i in positions}
-    chosen_out = [[] for _ in shapes]
+    chosen_in: Any = {i: [] for i in positions}
+    chosen_out: Any = [[] for _ in shapes]
     for m in range(mesh.ndim):
         candidates = [([_norm(ins[i], args[i].ndim) for i in positions],
                        [_norm(p, len(s)) for p, s in zip(outs, shapes)]) for outs, ins in options]
