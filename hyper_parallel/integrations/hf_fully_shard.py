@@ -40,7 +40,8 @@ def decoder_layers(model: Any) -> Any:
     (``_no_split_modules``: LlamaDecoderLayer, GPT2Block, ...), else the ``layers`` module list."""
     platform = get_platform()
     whole = set(getattr(model, "_no_split_modules", None) or ())
-    found, prefixes = [], []
+    found: list[Any] = []
+    prefixes: list[Any] = []
     for name, module in platform.named_modules(model):
         if name and type(module).__name__ in whole and not any(name.startswith(p) for p in prefixes):
             found.append(module)
@@ -65,7 +66,7 @@ def apply_fully_shard(model: Any, mesh: Any, dp_shard: Any, cp: Any, average: bo
     return model
 
 
-def warn_unreduced_dims(model: object, mesh: object, reduced: set) -> None:
+def warn_unreduced_dims(model: Any, mesh: Any, reduced: set) -> None:
     """Mesh dims of size > 1 over which nothing parallelize_model applied reduces the gradients
     (``reduced``: the dims its wrappers cover): the ranks along them hold replicas that drift apart
     unless the user wraps the model in ``data_parallel`` over them. Checked at the first forward,

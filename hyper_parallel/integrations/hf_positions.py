@@ -28,7 +28,7 @@ import torch
 
 from hyper_parallel.integrations.hf_sequence_audit import marked_probing
 
-_Key = Tuple[str, object]   # ("arg", index) or ("kw", name)
+_Key = Tuple[str, Any]   # ("arg", index) or ("kw", name)
 
 
 def _offset(tensor, length: int) -> Optional[int]:
@@ -62,7 +62,9 @@ class _Calls:
     """(module name, call index) -> (module, {key: offset} of its arange inputs, detached outputs)."""
 
     def __init__(self, model, length: int):
-        self.calls, self.counts, self.length, self.handles = {}, {}, length, []
+        self.calls: Dict[Any, Any] = {}
+        self.counts: Dict[Any, int] = {}
+        self.length, self.handles = length, []
         for name, module in model.named_modules():
             if module is not model:
                 self.handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
@@ -87,7 +89,7 @@ def _same(a, b) -> bool:
 
 
 def find_sources(model: Any, run: Any, ids: Any,
-                 other_ids: Any) -> List[Tuple[str, torch.nn.Module, _Key, int, int]]:
+                 other_ids: Any) -> List[Tuple[str, torch.nn.Module, _Key, int, int, bool]]:
     """``[(name, module, key, offset without position_ids, offset with position_ids=arange, whether the
     positions change with left padding)]`` of the
     outermost position sources; ``run(input_ids, position_ids)`` calls the model (probing)."""

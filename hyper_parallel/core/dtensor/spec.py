@@ -7,7 +7,7 @@ from hyper_parallel.core.dtensor.layout import local_box
 
 @dataclass(frozen=True)
 class DTensorSpec:
-    mesh: object
+    mesh: Any
     placements: tuple
     shape: tuple
 

@@ -33,13 +33,13 @@ from hyper_parallel.core.arguments import check_int
 from hyper_parallel.platform import get_platform
 
 DEFAULT_BLOCK = 256
-_active = contextvars.ContextVar("hp_cp_attention_masks", default=None)
+_active: contextvars.ContextVar[Any] = contextvars.ContextVar("hp_cp_attention_masks", default=None)
 
 
 @dataclass(frozen=True)
 class AttentionMasks:
-    document_ids: object = None   # (B, S) integer tensor, or None
-    padding: object = None        # (B, S) bool tensor (True: may be attended), or None
+    document_ids: Any = None   # (B, S) integer tensor, or None
+    padding: Any = None        # (B, S) bool tensor (True: may be attended), or None
     block_size: int = DEFAULT_BLOCK
 
     @property
