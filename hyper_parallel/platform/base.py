@@ -86,6 +86,13 @@ class Platform(TrainingLoopContract, SplitCollectivesContract, LinearAlgebraCont
         """The collective timeout of ``group`` in seconds, or None for the framework's default."""
         return None
 
+    def agreement_group(self, group):
+        """The group core/agreement.py exchanges its settings checks on for ``group``'s ranks: a
+        companion created beside ``group`` where the framework can, so a rank entering a check
+        alone waits there (bounded by the timeout) instead of meeting its peers' next data
+        collective; ``group`` itself where it cannot."""
+        return group
+
     @abc.abstractmethod
     def barrier(self, group=None):
         """Wait for every rank of ``group``."""

@@ -37,6 +37,7 @@ class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, TorchComputeState, Pl
         self._groups = {}
         self._group_ranks = {}
         self._group_timeouts = {}
+        self._companions = {}   # group -> its agreement_group
         self._default_timeout_s = None
 
     # ---------------------------------------------------------------- device
@@ -147,7 +148,22 @@ class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, TorchComputeState, Pl
             self._groups[key] = group
             self._group_ranks[group] = ranks
             self._group_timeouts[group] = timeout_s if timeout_s is not None else self._default_timeout_s
+        if group not in self._companions:   # here, where every rank creates every group in one order
+            self._companions[group] = self._companion(ranks, timeout_s)
         return group
+
+    def _companion(self, ranks, timeout_s):
+        timeout_s = timeout_s if timeout_s is not None else self._default_timeout_s
+        kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        companion = dist.new_group(list(ranks), use_local_synchronization=False, **kwargs)
+        self._group_ranks[companion] = ranks
+        self._group_timeouts[companion] = timeout_s
+        return companion
+
+    def agreement_group(self, group):
+        """The companion of a group made by ``new_group`` (core/agreement.py's checks run there:
+        a rank checking alone then waits out the timeout instead of meeting a data collective)."""
+        return self._companions.get(dist.group.WORLD if group is None else group, group)
 
     def group_timeout(self, group):
         """The collective timeout of ``group`` in seconds, or None for the framework's default."""
@@ -179,6 +195,7 @@ class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, TorchComputeState, Pl
         self._groups.clear()
         self._group_ranks.clear()
         self._group_timeouts.clear()
+        self._companions.clear()
 
     # ---------------------------------------------------------------- autograd plumbing for core
     @staticmethod
