@@ -105,7 +105,9 @@ class CPAttention:
             self.learn_mask(module, attention_mask)
             check_attention_kwargs(module, kwargs)
             return _token_local_attention(query, key, value), None
-        masks = self.masks_for(kwargs)
+        carried = attention_mask.forward_masks if isinstance(attention_mask, hf_mask_probe.MaskSpec) else None
+        # the masks the spec carries (a compiled layer's graph inputs), else found by position_ids
+        masks = (carried or None) if carried is not None else self.masks_for(kwargs)
         chunk = self.restriction(module, attention_mask).chunk
         if chunk is not None:   # chunked attention: chunks of the global token index are documents
             masks = hf_mask_probe.with_chunks(masks, chunk, query.shape[0], query.shape[2] * self.mesh.size())
@@ -155,6 +157,10 @@ class CPAttention:
                 self.learn_mask(module, attention_mask)
             known = self.restrictions[module]
         return known
+
+    def forward_masks(self):
+        """This forward's global masks for the MaskSpecs the model builds ({}: none; None: no forward)."""
+        return dict(self.masks or {}) if self.in_forward else None
 
     def masks_for(self, kwargs):
         """The masks of the forward this attention call belongs to (see the class docstring)."""
@@ -364,7 +370,8 @@ def prepare_context_parallel(model, cp_mesh, cp_kwargs):
     _own_config(model)
     state = CPAttention(model, cp_mesh, cp_kwargs)
     AttentionInterface.register(state.name, state)
-    hf_mask_probe.register(state.name)   # the model's masks come back unbuilt (hf_mask_probe.MaskSpec)
+    # the model's masks come back unbuilt (hf_mask_probe.MaskSpec), carrying this forward's global masks
+    hf_mask_probe.register(state.name, state.forward_masks)
     model.set_attn_implementation(state.name)
     if model.config._attn_implementation != state.name:
         raise ValueError(f"parallelize_model: {type(model).__name__} does not accept a custom attention "
