@@ -30,8 +30,8 @@ def _layers(model) -> List[torch.nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or ())
     found = [m for m in model.modules() if type(m).__name__ in names]
     if not found:
-        lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-        found = list(max(lists, key=len)) if lists else []
+        lists: List[Any] = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+        found = list(max(lists, key=lambda m: len(m))) if lists else []
     return found
 
 

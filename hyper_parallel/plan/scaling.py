@@ -19,11 +19,11 @@ def _line(a: float, b: float, t: float) -> float:
 
 
 def _comm(small: dict, large: dict, t: float) -> dict:
-    out = {}
+    out: dict[str, Any] = {}
     for label in set(small) | set(large):
         empty = {"collectives": 0, "bytes_sent": 0, "bytes_received": 0, "ops": {}}
         a, b = small.get(label, empty), large.get(label, empty)
-        ops = {}
+        ops: dict[Any, tuple[int, ...]] = {}
         for op in set(a["ops"]) | set(b["ops"]):
             pairs = zip(a["ops"].get(op, (0, 0)), b["ops"].get(op, (0, 0)))
             ops[op] = tuple(int(round(_line(x, y, t))) for x, y in pairs)

@@ -1,5 +1,5 @@
 """The redistribution planner: a pair of layouts becomes a short list of single collectives."""
-from typing import Any
+from typing import Any, Optional
 from dataclasses import dataclass
 
 from hyper_parallel.core.dtensor.layout import chunk_range, chunk_sizes, dim_range, shard_orders
@@ -42,7 +42,9 @@ class RedistributePlanner:
     def __init__(self, mesh_shape: Any, coordinate: Any, shape: Any, src: Any, dst: Any) -> None:
         self.mesh_shape, self.coordinate, self.shape = mesh_shape, coordinate, shape
         self.src, self.dst = src, dst
-        self.orders = self.target = self.state = None
+        self.orders: Any = None
+        self.target: Any = None
+        self.state: Optional[list[Any]] = None
         self.steps: list[Any] = []
         # chunking only depends on the kind of shard per mesh dim; HeadTail only appears in dst
         self.chunk_layout = tuple(dst[m] if isinstance(dst[m], HeadTailShard) else Shard(0)

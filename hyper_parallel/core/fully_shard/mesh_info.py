@@ -51,7 +51,7 @@ class FSDPMeshInfo:
         dp_index = names.index(self.mesh.mesh_dim_names[-1])
         if tp_placement.is_shard(0) and tp_index > dp_index:
             dp[-1] = StridedShard(0, tp_mesh.size())
-        placements = [None] * joint.ndim
+        placements: list[Any] = [None] * joint.ndim
         for d, name_ in enumerate(self.mesh.mesh_dim_names):
             placements[names.index(name_)] = dp[d]
         placements[tp_index] = tp_placement

@@ -79,7 +79,7 @@ def _chunked_cross_entropy(hidden, weight, labels, *, chunk_size=DEFAULT_CHUNK, 
 
 
 # help() and IDEs show the real arguments; the public function takes *args only to name mistakes
-chunked_cross_entropy.__signature__ = inspect.signature(_chunked_cross_entropy)
+chunked_cross_entropy.__signature__ = inspect.signature(_chunked_cross_entropy)  # type: ignore[attr-defined]
 
 
 def _check_class_weight(class_weight, vocab):

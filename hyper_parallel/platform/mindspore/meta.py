@@ -111,7 +111,7 @@ def linear(x: Any, w: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def reshape(x: Any, *shape: Any, **kwargs: Any) -> Any:
-    shape = _shape_arg(shape) if shape else tuple(kwargs.get("shape"))
+    shape = _shape_arg(shape) if shape else tuple(kwargs["shape"])
     return _meta(_resolve(shape, x.numel()), x)
 
 

@@ -23,5 +23,5 @@ def lean_apply(function_class: Any) -> Any:
         if transforms_active():
             return full_apply(*args)
         return c_apply(*args)
-    apply.function_class = function_class
+    apply.function_class = function_class  # type: ignore[attr-defined]
     return apply

@@ -7,7 +7,7 @@ of the global sequence (this rank's block under context parallelism, ``shard_seq
 model's loss, ``backward()``, an AdamW step, ``zero_grad``. The same ``TrainStep`` runs on real
 tensors in the tests, which is how the fake run is checked against a real one.
 """
-from typing import Any
+from typing import Any, Literal
 import contextlib
 import time
 
@@ -53,7 +53,7 @@ class FakeWorld:
         dist.init_process_group("fake", rank=self.rank, world_size=self.world_size, store=FakeStore())
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc: Any) -> Literal[False]:
         dist.destroy_process_group()
         return False
 

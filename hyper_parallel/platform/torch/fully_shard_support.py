@@ -1,6 +1,6 @@
 """What fully_shard needs from torch beyond collectives: freeing and re-allocating a parameter's
 memory in place, writes autograd does not track, parameter swaps and backward hooks."""
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -31,7 +31,7 @@ def swap_parameter(module: Any, name: str, value: Any) -> None:
     module._parameters[name] = value
 
 
-def register_multi_grad_hook(tensors: Any, hook: Any, mode: str = "any") -> Any:
+def register_multi_grad_hook(tensors: Any, hook: Any, mode: Literal["all", "any"] = "any") -> Any:
     return torch.autograd.graph.register_multi_grad_hook(tuple(tensors), lambda grads: hook(), mode=mode)
 
 

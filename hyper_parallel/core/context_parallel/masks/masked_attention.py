@@ -106,7 +106,9 @@ def backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, masks: A
     if not any(keys for _, keys in tiles):
         return None
     live_lse = lse.masked_fill(lse == NEG_INF, 0.0)   # rows seeing nothing: every score is masked anyway
-    dq, dk, dv = [], {}, {}
+    dq: list[Any] = []
+    dk: dict[Any, Any] = {}
+    dv: dict[Any, Any] = {}
     for q_tile, keys in tiles:
         qt, gt, ot = (_narrow(t, q_tile, q_span) for t in (q, grad_out, out))
         lt = live_lse.narrow(SEQ, q_tile.start - q_span.start, q_tile.length)

@@ -18,7 +18,8 @@ import contextlib
 import contextvars
 import weakref
 
-_stack = contextvars.ContextVar("hp_dispatch_interceptors", default=())
+_stack: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("hp_dispatch_interceptors",
+                                                                         default=())
 
 
 class Interceptor:

@@ -106,7 +106,7 @@ def index_rule(call: Any) -> Any:
         else:
             placements.append(Replicate())
             out.append(Replicate())
-    inputs = [None] * len(call.specs)
+    inputs: list[Any] = [None] * len(call.specs)
     _indices_replicated(call, indices, inputs)
     inputs[0] = tuple(placements)
     return OpStrategy(inputs=inputs, outputs=tuple(out))
@@ -130,14 +130,14 @@ def index_put_rule(call: Any) -> Any:
         if p.is_shard() and p.dim in dest:
             chosen.append(p)
             continue
-        pv = vspec.placements[m] if vspec is not None else Replicate()
+        pv: Any = vspec.placements[m] if vspec is not None else Replicate()
         r = pv.dim + len(region) - vspec.ndim if pv.is_shard() else None
         if p.is_replicate() and r in from_values and vspec.shape[pv.dim] == region[r] and \
                 not any(c.is_shard(from_values[r]) for c in chosen):
             chosen.append(pv.with_dim(from_values[r]))
         else:
             chosen.append(Replicate())
-    inputs = [None] * len(call.specs)
+    inputs: list[Any] = [None] * len(call.specs)
     _indices_replicated(call, indices, inputs)
     inputs[0] = tuple(chosen)
     if vspec is not None:

@@ -35,7 +35,7 @@ def band_mask(q_start: Any, q_len: Any, k_start: Any, k_len: Any, causal: Any, w
     platform = get_platform()
     rows = (platform.arange(q_len, device=device) + q_start).reshape((q_len, 1))
     cols = (platform.arange(k_len, device=device) + k_start).reshape((1, k_len))
-    allowed = cols <= rows if causal else None
+    allowed: Any = cols <= rows if causal else None
     if window is not None:
         inside = cols > rows - window
         allowed = inside if allowed is None else allowed & inside

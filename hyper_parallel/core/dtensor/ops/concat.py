@@ -29,7 +29,7 @@ def common_placements(specs: Any, cat_dim: Any, mesh: Any) -> Any:
             if p.is_shard() and p.dim != cat_dim:
                 votes[p] = votes.get(p, 0) + numel(s.shape)
         if votes:
-            chosen.append(max(votes, key=votes.get))
+            chosen.append(max(votes, key=lambda p: votes[p]))
             continue
         partial_ops = {s.placements[m] for s in specs if s.placements[m].is_partial()}
         chosen.append(partial_ops.pop() if len(partial_ops) == 1 else Replicate())

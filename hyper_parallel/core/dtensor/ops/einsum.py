@@ -101,7 +101,8 @@ def einsum_rule(call: Any) -> Any:
     if parsed is None:
         return None
     ops, out = parsed
-    chosen_in, chosen_out = [[] for _ in specs], []
+    chosen_in: list[list[Any]] = [[] for _ in specs]
+    chosen_out: list[Any] = []
     for m in range(call.mesh_ndim):
         inputs, output = pick(_candidates(ops, out, specs, m, out_shape), [s.placements[m] for s in specs],
                               [numel(s.shape) for s in specs], call.mesh.size(m))

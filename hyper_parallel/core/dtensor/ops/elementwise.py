@@ -67,7 +67,8 @@ def elementwise_strategy(op_name: str, specs: Any, operands: Any, out_shape: Any
     """
     sizes = [numel(s.shape) for s in specs]
     anchor_order = sorted(range(len(specs)), key=lambda i: -sizes[i])
-    out, source = [], []
+    out: list[Any] = []
+    source: list[Any] = []
     for m in range(mesh_ndim):
         if force_out is not None:
             out.append(force_out[m])

@@ -40,7 +40,10 @@ def embedding_rule(call: Any) -> Any:
     if v["max_norm"] is not None or v["scale_grad_by_freq"] or v["sparse"]:
         return None
     out_ndim = ids_spec.ndim + 1
-    ids_t, w_t, out, vocab_mesh_dims = [], [], [], []
+    ids_t: list[Any] = []
+    w_t: list[Any] = []
+    out: list[Any] = []
+    vocab_mesh_dims: list[int] = []
     for m in range(call.mesh_ndim):
         pi, pw = ids_spec.placements[m], w_spec.placements[m]
         if pw.is_shard(0):
@@ -57,7 +60,7 @@ def embedding_rule(call: Any) -> Any:
             ids_t.append(keep_ids)
             w_t.append(Replicate())
             out.append(keep_ids)
-    inputs = [None] * len(call.specs)
+    inputs: list[Any] = [None] * len(call.specs)
     inputs[call.index(ids)], inputs[call.index(weight)] = tuple(ids_t), tuple(w_t)
     local = None
     if vocab_mesh_dims:

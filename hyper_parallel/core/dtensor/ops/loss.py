@@ -88,7 +88,7 @@ def cross_entropy_rule(call: Any) -> Any:
     if not _vocab_parallel_arguments_valid(v, xs, target_shape, soft, class_dim):
         return _replicated(call)   # the framework's own op raises its own error on whole tensors
     x_t = tuple(xs.placements[m] if m == vocab_mesh_dim else Replicate() for m in range(call.mesh_ndim))
-    inputs = [None] * len(call.specs)
+    inputs: list[Any] = [None] * len(call.specs)
     inputs[call.index(x)] = x_t
     if ts is not None:
         inputs[call.index(target)] = x_t if soft else tuple(Replicate() for _ in range(call.mesh_ndim))

@@ -75,7 +75,7 @@ def npu_fusion_attention_rule(call: Any) -> Any:
         _check_seq_split(a, geo, mode)
     _check_head_split(geo, sizes, q_t)
 
-    inputs = [None] * len(call.specs)
+    inputs: list[Any] = [None] * len(call.specs)
     inputs[call.index(q)], inputs[call.index(k)], inputs[call.index(v)] = tuple(q_t), tuple(k_t), tuple(v_t)
     for name in ("atten_mask", "actual_seq_qlen", "actual_seq_kvlen"):
         i = call.index(a[name])

@@ -99,6 +99,7 @@ class NpuAttentionGeometry:
             raise ValueError(f"npu_fusion_attention: input_layout {layout!r} is not one of "
                              f"{', '.join(LAYOUTS)}")
         self.layout = layout
+        self.batch: Any
         self.batch, self.seq, self.head, packed = LAYOUTS[layout]
         if len(q_shape) != (3 if layout in ("BSH", "SBH", "TND") else 4) or len(k_shape) != len(q_shape):
             raise ValueError(f"npu_fusion_attention: query {tuple(q_shape)} / key {tuple(k_shape)} do not "

@@ -5,7 +5,7 @@ inputs, use the replicate fallback). Rules never communicate themselves; they sa
 each input must have and what layout the outputs then have, and may supply a ``local`` callable
 that runs the op on the shards (to pass local shapes, offsets or masks).
 """
-from typing import Any
+from typing import Any, Optional
 from dataclasses import dataclass
 
 _RULES: dict[Any, Any] = {}
@@ -79,7 +79,7 @@ class OpCall:
                  meta_fn: Any = None) -> None:
         self.name, self.func, self.args, self.kwargs = name, func, args, kwargs
         self._meta_fn = meta_fn
-        self._out_shapes = None
+        self._out_shapes: Optional[list[Any]] = None
         self.mesh = mesh
         self.dtensors = dtensors            # DTensor leaves, in flatten order
         self.specs = [d._spec for d in dtensors]

@@ -25,16 +25,16 @@ def cumsum_rule(call: Any) -> Any:
     scan = [m for m, p in enumerate(spec.placements) if p.is_shard(dim)]
     if len(scan) != 1 or type(spec.placements[scan[0]]) is not Shard:
         scan = []
-    placements = []
+    placements: list[Any] = []
     for m, p in enumerate(spec.placements):
         if p.is_shard(dim) and m not in scan:
             p = Replicate()                            # gather this split of `dim`
         elif p.is_partial() and p.reduce_op not in ("sum", "avg"):
             p = Replicate()
         placements.append(p)
-    placements = tuple(placements)
+    placements_t = tuple(placements)
     local = _scan_across(call.mesh, scan[0], dim) if scan else None
-    return OpStrategy(inputs=[placements], outputs=placements, local=local)
+    return OpStrategy(inputs=[placements_t], outputs=placements_t, local=local)
 
 
 def _scan_across(mesh, mesh_dim, dim):

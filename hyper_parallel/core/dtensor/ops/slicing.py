@@ -9,7 +9,7 @@ These ops only move data, so a Partial input of any reduce op stays Partial.
 Indexing with tensors, lists or bools (advanced indexing) has no rule: the call takes the
 replicated fallback.
 """
-from typing import Any
+from typing import Any, Optional
 from hyper_parallel.core.dtensor.ops.gather_dims import gather_dims
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 
@@ -126,7 +126,8 @@ def expand_index(index: Any, ndim: Any) -> Any:
 
 def index_dims(items: Any) -> Any:
     """{input dim: (output dim or None, item)} for an expanded basic index."""
-    mapping, in_dim, out_dim = {}, 0, 0
+    mapping: dict[int, tuple[Optional[int], Any]] = {}
+    in_dim, out_dim = 0, 0
     for item in items:
         if item is None:
             out_dim += 1
@@ -157,7 +158,8 @@ def getitem_rule(call: Any) -> Any:
     inputs, outputs = gather_dims(spec, touched, lambda d: mapping[d][0], partial_stays=True)
     kept = {p.dim for p in inputs if p.is_shard()}
     # the kept sharded dims are whole slices: on the local shard they become plain ':'
-    local_items, in_dim = [], 0
+    local_items: list[Any] = []
+    in_dim = 0
     for item in items:
         if item is None:
             local_items.append(None)

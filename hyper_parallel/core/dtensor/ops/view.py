@@ -15,7 +15,8 @@ from hyper_parallel.platform import get_platform
 
 def reshape_groups(in_shape: Any, out_shape: Any) -> Any:
     """Pair runs of input dims with runs of output dims of equal product."""
-    groups, i, j = [], 0, 0
+    groups: list[Any] = []
+    i, j = 0, 0
     n_in, n_out = len(in_shape), len(out_shape)
     while i < n_in or j < n_out:
         if i < n_in and in_shape[i] == 1 and (j >= n_out or out_shape[j] != 1):
