@@ -31,7 +31,8 @@ def _layers(model) -> List[torch.nn.Module]:
     found = [m for m in model.modules() if type(m).__name__ in names]
     if not found:
         lists: List[Any] = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-        found = list(max(lists, key=lambda m: len(m))) if lists else []
+        sizes = [len(m) for m in lists]
+        found = list(lists[sizes.index(max(sizes))]) if lists else []
     return found
 
 
