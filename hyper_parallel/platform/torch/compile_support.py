@@ -145,7 +145,9 @@ def _user_error(exc: BaseException) -> Optional[ValueError]:
 
 class CompiledParallelModule:
     """``module``'s forward, compiled as described in the module docstring; one compiled graph per
-    call signature (tensor layouts, non-tensor arguments). Use through ``compile_module``."""
+    call signature (tensor layouts, non-tensor arguments, self-describing arguments, the modules'
+    plain settings: docs/compile.md "Signatures"), made at its second call (the first runs
+    eagerly). Use through ``compile_module``."""
 
     def __init__(self, module: torch.nn.Module, forward: Callable, compile_kwargs: Dict[str, Any]):
         self.module = module
