@@ -247,7 +247,12 @@ def prepare(style: Any, cp_mesh: Any, qkv: Any) -> Any:
 
 
 def run_attention(style: Any, cp_mesh: Any, qkv: Any, call: Any) -> Any:
-    return run_prepared(style, *prepare(style, cp_mesh, qkv), call)
+    # the phases as ranges of a framework profiler's trace (the collectives inside have their own)
+    platform = get_platform()
+    with platform.profile_range("hyper_parallel::context_parallel::prepare"):
+        inputs, ulysses_dims, gather_dims, masks = prepare(style, cp_mesh, qkv)
+    with platform.profile_range("hyper_parallel::context_parallel::attention"):
+        return run_prepared(style, inputs, ulysses_dims, gather_dims, masks, call)
 
 
 def run_prepared(style: Any, inputs: Any, ulysses_dims: Any, gather_dims: Any, masks: Any, call: Any) -> Any:
