@@ -117,3 +117,24 @@ def cp_window_gap(rank, world_size):
     else:
         _raises_any(lambda: cell(q, k, v), "timed out")
     return True
+
+
+def linear_attention_gap(rank, world_size):
+    """The delta rule under CP: scale 0.5 and the default both verified, then the odd rank alone goes
+    back to the default (was silent: its signature was None, so the verified key let it pass)."""
+    from hyper_parallel import init_device_mesh
+    from hyper_parallel.core.context_parallel.linear_attention import context_parallel_delta_rule
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",), timeout=GAP_TIMEOUT)
+    odd = rank == world_size - 1
+    T, H, D = 2, 2, 4
+    q, k, v = (t(inp(f"gap-la/{n}", rank, (1, T, H, D))) for n in "qkv")
+    g = t(-np.abs(inp("gap-la/g", rank, (1, T, H))))
+    beta = t(np.full((1, T, H), 0.5, np.float32))
+    for scale in (0.5, None, 0.5, 0.5):
+        context_parallel_delta_rule(q, k, v, g, beta, mesh, scale=scale)
+    if odd:
+        expect_error(ValueError, lambda: context_parallel_delta_rule(q, k, v, g, beta, mesh, scale=None),
+                     "linear attention (delta rule): the agreement check", "scale (rank", "now has None")
+    else:
+        _raises_any(lambda: context_parallel_delta_rule(q, k, v, g, beta, mesh, scale=0.5), "timed out")
+    return True

@@ -73,7 +73,8 @@ def agree_delta_rule(group: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, mode
                 "initial_state contents": Deferred(lambda: tensor_digest(initial_state)),
                 "q/k/v/g/beta (dtype, batch, heads, dims)": tuple(map(_without_seq, (q, k, v, g, beta))),
                 "grad mode (is_grad_enabled)": bool(get_platform().is_grad_enabled())}
-    check_agreement(group, "linear attention (delta rule)", settings, fix=_FIX)
+    check_agreement(group, "linear attention (delta rule)", settings, signature=("delta rule", _site()),
+                    fix=_FIX)
 
 
 def agree_conv(group: Any, x: Any, weight: Any, bias: Any) -> None:
@@ -83,4 +84,14 @@ def agree_conv(group: Any, x: Any, weight: Any, bias: Any) -> None:
     settings = {"weight": weight, "bias": bias,
                 "x (dtype, batch, channels)": (str(x.dtype),) + tuple(int(s) for s in x.shape[:-1]),
                 "block holds the kernel's halo": int(x.shape[-1]) >= kernel - 1}
-    check_agreement(group, "linear attention (causal conv)", settings, fix=_FIX)
+    check_agreement(group, "linear attention (causal conv)", settings, signature=("causal conv", _site()),
+                    fix=_FIX)
+
+
+def _site() -> Any:
+    """The parallelized module whose forward makes the call (functional.running), or None for a
+    direct call: a call site's checks remember its previous settings (core/agreement.py), so a
+    rank that changes one alone after steady state checks again."""
+    from hyper_parallel.core.context_parallel.linear_attention.functional import active
+    cp = active()
+    return None if cp is None else cp[2]

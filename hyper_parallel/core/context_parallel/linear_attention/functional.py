@@ -16,13 +16,14 @@ from hyper_parallel.core.context_parallel.linear_attention.delta_rule import (
     context_parallel_delta_rule, cp_group)
 from hyper_parallel.platform import get_platform
 
-_ACTIVE: list[Any] = []   # (group, mode) of the parallelized forwards running now, innermost last
+_ACTIVE: list[Any] = []   # (group, mode, site) of the parallelized forwards running now, innermost last
 
 
 @contextlib.contextmanager
-def running(group: Any, mode: Any) -> Iterator[None]:
-    """The calls inside run on ``group``'s blocks in state mode ``mode`` (style.py enters it)."""
-    _ACTIVE.append((group, mode))
+def running(group: Any, mode: Any, site: Any = None) -> Iterator[None]:
+    """The calls inside run on ``group``'s blocks in state mode ``mode`` (style.py enters it);
+    ``site`` names the parallelized module for the ranks' agreement checks (checks.py)."""
+    _ACTIVE.append((group, mode, site))
     try:
         yield
     finally:
@@ -30,7 +31,7 @@ def running(group: Any, mode: Any) -> Iterator[None]:
 
 
 def active() -> Any:
-    """(group, mode) of the innermost parallelized forward running, or None."""
+    """(group, mode, site) of the innermost parallelized forward running, or None."""
     return _ACTIVE[-1] if _ACTIVE else None
 
 

@@ -10,6 +10,7 @@ CP model.
 from typing import Any
 from hyper_parallel.core.context_parallel.linear_attention.functional import running
 from hyper_parallel.core.context_parallel.linear_attention.checks import MODES
+from hyper_parallel.core.bounded_cache import lifetime_key
 from hyper_parallel.core.tensor_parallel.style import ParallelStyle
 from hyper_parallel.platform import get_platform
 
@@ -29,10 +30,11 @@ class LinearAttentionContextParallel(ParallelStyle):
                              f"{device_mesh.mesh_dim_names}; pass the 1-D context-parallel mesh (e.g. "
                              "mesh['cp'])")
         group, mode = device_mesh.get_group(), self.mode
+        site = ("linear attention", lifetime_key(module))   # the agreement checks' call site
 
         def wrap(original):
             def forward(*args, **kwargs):
-                with running(group, mode):
+                with running(group, mode, site):
                     return original(*args, **kwargs)
             return forward
         get_platform().replace_forward(module, wrap)
