@@ -80,7 +80,8 @@ class CPAttention:
     def __init__(self, model, cp_mesh, cp_kwargs):
         self.config = model.config
         self.mesh = cp_mesh
-        self.style = ContextParallel(seq_dim=2, head_dim=1, **cp_kwargs)   # style.last_choice under mode='auto'
+        # style.last_choice under mode='auto'
+        self.style = ContextParallel(seq_dim=2, head_dim=1, **cp_kwargs)
         self.core = self.style.apply(_CoreAttention(), cp_mesh)
         self.masks, self.in_forward = None, False
         self.model = weakref.ref(model)
@@ -272,9 +273,9 @@ class CPAttention:
         batch, local = int(first.shape[0]), int(first.shape[1])
         mask = kwargs.get("attention_mask")
         if mask is not None and (mask.ndim != 2 or tuple(mask.shape) != (batch, local)):
-            raise ValueError(f"parallelize_model: attention_mask of shape {tuple(mask.shape)} is not supported "
-                             f"under context parallelism; pass the 2-D padding mask's block ({batch}, {local}) "
-                             f"from shard_sequence")
+            raise ValueError(f"parallelize_model: attention_mask of shape {tuple(mask.shape)} is not "
+                             f"supported under context parallelism; pass the 2-D padding mask's block "
+                             f"({batch}, {local}) from shard_sequence")
         return batch, local, self._positions(kwargs.get("position_ids"), batch, local)
 
     def _check_ranks_agree(self, module, batch, local, kwargs, problem):
@@ -292,8 +293,8 @@ class CPAttention:
             raise problem
         refused = [r for r, row in enumerate(every) if row[-1]]
         if refused:
-            raise ValueError(f"parallelize_model: CP rank(s) {refused} refused their inputs (their error says "
-                             f"why); every rank stops before the sequence collectives")
+            raise ValueError(f"parallelize_model: CP rank(s) {refused} refused their inputs (their error "
+                             f"says why); every rank stops before the sequence collectives")
         if any(row != every[0] for row in every):
             shapes = {r: f"batch {row[0]}, {row[1]} tokens, attention_mask {bool(row[2])}, position_ids "
                          f"{bool(row[3])}" for r, row in enumerate(every)}
