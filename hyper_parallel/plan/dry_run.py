@@ -243,7 +243,7 @@ def measure(step, shard_sequence, mesh, sizes, name, seq_len, batch, cp_mode, fe
                         features=list(features), memory_bytes=memory, peak_memory_bytes=tracker.peak_bytes,
                         flops=tracker.flops, comm=comm_by_dim(comm.log, mesh, list(sizes)),
                         memory_bound_bytes=tracker.memory_bound_bytes,
-                        ops=dict(tracker.ops), step_wall_seconds=seconds)
+                        ops=dict(tracker.ops), step_wall_seconds=seconds, op_count=tracker.op_count)
 
 
 __all__ = ["dry_run", "real_run", "DryRunReport", "FEATURES"]

@@ -53,6 +53,7 @@ def device(name: str, calibration: Optional[dict] = None) -> dict:
         copy = calibration["bytes_per_s"]
         # gloo on one host moves bytes through shared memory and sockets: a quarter of memcpy, 50 us
         return dict(flops=calibration["flops"] / GEMM_EFFICIENCY, hbm=copy / HBM_EFFICIENCY, memory=None,
+                    op_seconds=calibration.get("op_seconds", 0.0),
                     intra=copy / 4, inter=copy / 4, intra_lat=50e-6, inter_lat=50e-6,
                     links=f"gloo on this host (a quarter of memcpy, {copy / 4e9:.1f} GB/s)")
     if name not in DEVICES:
@@ -81,7 +82,8 @@ def comm_seconds(report: Any, dev: dict, gpus_per_node: int) -> Dict[str, float]
 def compute_seconds(report: Any, dev: dict) -> float:
     flops, hbm = dev["flops"] * GEMM_EFFICIENCY, dev["hbm"] * HBM_EFFICIENCY
     ops = sum(n * max(f / flops, b / hbm) for (f, b), n in report.ops.items())
-    return ops + report.memory_bound_bytes / hbm
+    # eager dispatch on the host: measured per op on cpu; a GPU's launches run ahead of its kernels
+    return ops + report.memory_bound_bytes / hbm + report.op_count * dev.get("op_seconds", 0.0)
 
 
 def _exposed(report: Any, seconds: Dict[str, float], compute: float) -> float:

@@ -46,6 +46,7 @@ def extrapolate(small: DryRunReport, large: DryRunReport, k: int, layers: int) -
                                                                       large.peak_memory_bytes, t))),
         flops=int(round(_line(small.flops, large.flops, t))), comm=_comm(small.comm, large.comm, t),
         memory_bound_bytes=int(round(_line(small.memory_bound_bytes, large.memory_bound_bytes, t))),
+        op_count=int(round(_line(small.op_count, large.op_count, t))),
         ops=dict(ops), layers=(k, layers), wall_seconds=small.wall_seconds + large.wall_seconds)
 
 

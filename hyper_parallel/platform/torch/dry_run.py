@@ -129,17 +129,26 @@ def _local(tensor):
 
 
 def calibrate_cpu(size: int = 1024, repeats: int = 5) -> dict:
-    """This machine's achieved fp32 matmul FLOP/s and memcpy bytes/s (best of ``repeats``)."""
+    """This machine's achieved fp32 matmul FLOP/s, memcpy bytes/s and seconds per small op (the host's
+    dispatch cost of one eager op). Medians of ``repeats``, not bests: on a shared machine the median
+    is what a longer run gets."""
+    import statistics
     a, b = torch.randn(size, size), torch.randn(size, size)
     x = torch.empty(32 * 1024 * 1024 // 4)
     y = torch.empty_like(x)
-    best_mm = best_copy = float("inf")
+    small = torch.ones(16)
+    mm, copy, ops = [], [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         torch.mm(a, b)
-        best_mm = min(best_mm, time.perf_counter() - t0)
+        mm.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         y.copy_(x)
-        best_copy = min(best_copy, time.perf_counter() - t0)
-    return {"flops": 2 * size ** 3 / best_mm, "bytes_per_s": 2 * x.numel() * 4 / best_copy,
-            "threads": torch.get_num_threads()}
+        copy.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for _ in range(200):
+            small = small + 1
+        ops.append((time.perf_counter() - t0) / 200)
+    return {"flops": 2 * size ** 3 / statistics.median(mm),
+            "bytes_per_s": 2 * x.numel() * 4 / statistics.median(copy),
+            "op_seconds": statistics.median(ops), "threads": torch.get_num_threads()}

@@ -70,6 +70,7 @@ class StepTracker(TorchDispatchMode):
         self.flops = 0
         self.ops: Any = collections.Counter()   # (flops, bytes touched) -> count, of ops with a FLOP formula
         self.memory_bound_bytes = 0
+        self.op_count = 0      # every computing op (not collectives): each costs a dispatch on the host
 
     def adopt(self, tensors: Any, phase: str = "setup") -> None:
         """Count storages that exist before the step (parameters, optimizer state)."""
@@ -117,6 +118,7 @@ class StepTracker(TorchDispatchMode):
                 self._observe(t, self.phase, comm)
         self._maybe_peak()
         if not comm:
+            self.op_count += 1
             self._count(func, args, kwargs, out, inputs, outputs)
         return out
 
