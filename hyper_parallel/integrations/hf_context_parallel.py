@@ -159,7 +159,7 @@ class CPAttention:
             known = self.restrictions[module]
         return known
 
-    def forward_masks(self):
+    def forward_masks(self) -> "dict | None":
         """This forward's global masks for the MaskSpecs the model builds ({}: none; None: no forward)."""
         return dict(self.masks or {}) if self.in_forward else None
 

@@ -21,7 +21,7 @@ import enum
 import functools
 import types
 import warnings
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
@@ -48,7 +48,7 @@ class _Described:
     MaskSpec): equal, for the signature key, when its description is; its tensors are graph inputs
     and ``rebuild`` makes it again from the traced ones."""
 
-    def __init__(self, description, count, rebuild):
+    def __init__(self, description: Any, count: int, rebuild: Callable[[List[Any]], Any]) -> None:
         self.description, self.count, self.rebuild = description, count, rebuild
 
     def __eq__(self, other):
@@ -59,7 +59,7 @@ class _Described:
         return hash((self.description, self.count))
 
 
-def _expand(leaves):
+def _expand(leaves: List[Any]) -> List[Any]:
     """``leaves`` with each self-describing argument replaced by its ``_Described`` and its tensors
     appended at the end (after the pytree's own leaves)."""
     leaves, extra = list(leaves), []
@@ -72,7 +72,7 @@ def _expand(leaves):
     return leaves + extra
 
 
-def _restore(leaves, count):
+def _restore(leaves: List[Any], count: int) -> List[Any]:
     """The pytree's ``count`` leaves, self-describing arguments rebuilt from the appended tensors."""
     extra, out = count, list(leaves[:count])
     for i, leaf in enumerate(out):
@@ -132,7 +132,7 @@ def _settings(module: torch.nn.Module) -> tuple:
                  for name, m in module.named_modules())
 
 
-def _user_error(exc: BaseException) -> Optional[ValueError]:
+def _user_error(exc: Optional[BaseException]) -> Optional[ValueError]:
     """The library's ValueError (bad input, ranks that disagree) behind a compile failure, if any."""
     seen = set()
     while exc is not None and id(exc) not in seen:
@@ -155,7 +155,7 @@ class CompiledParallelModule:
         self.compile_kwargs = compile_kwargs
         self.compiled: Dict[Any, Callable] = {}
         self._last = None
-        self._warned = set()
+        self._warned: set = set()
 
     def _state(self):
         return dict(self.module.named_parameters(remove_duplicate=False)), \
@@ -232,8 +232,15 @@ class CompiledParallelModule:
         without arguments, of the last call's region, on zeros of its inputs' shapes (the call's own
         tensors may be gone: fully_shard frees unsharded parameters after forward)."""
         if args or kwargs:
-            (_, region, _, _), flat_in = self._prepare(args, kwargs)
+            entry, flat_in = self._prepare(args, kwargs)
+            if entry is None:
+                raise ValueError(f"explain: {type(self.module).__name__} has {_MAX_SIGNATURES} compiled "
+                                 f"signatures already; a call with these arguments runs eagerly")
+            region = entry[1]
         else:
+            if self._last is None:
+                raise ValueError("explain(): no compiled call yet (a signature's first call runs eagerly); "
+                                 "call the block twice or pass a call's arguments")
             region, meta = self._last
             flat_in = [torch.zeros(shape, dtype=dtype).requires_grad_(grad) for shape, dtype, grad in meta]
         return torch._dynamo.explain(region)(*flat_in)
