@@ -106,7 +106,7 @@ def _class_source(cls):
 
 
 @functools.lru_cache(maxsize=None)
-def _adapter(cls):
+def _adapter(cls: Any) -> Any:
     """The ADAPTERS key for ``cls``: its own name, or a known class whose code it repeats under another
     name prefix (transformers' "Copied from": Qwen3.5-MoE's Gated DeltaNet is Qwen3.5's); else None."""
     if cls.__name__ in ADAPTERS:
@@ -178,7 +178,9 @@ def make_linear_attention_exact(model: Any, cp_mesh: Any, mode: str = "allgather
     if mode not in MODES:
         raise ValueError(f"parallelize_model(linear_attention={mode!r}): pass one of {MODES} (how the "
                          f"linear-attention state crosses the CP ranks)")
-    found = [(name, module) for name, module in model.named_modules() if _adapter(type(module)) is not None]
+    # _adapter's lru_cache wrapper asks for Hashable arguments, which mypy does not see in a class
+    found = [(name, module) for name, module in model.named_modules()
+             if _adapter(type(module)) is not None]  # type: ignore[arg-type]
     if found and tensor_parallel:
         raise ValueError(f"parallelize_model: {type(model).__name__} has linear-attention layers "
                          f"({found[0][0]}: {type(found[0][1]).__name__}), which context parallelism splits "
@@ -188,7 +190,7 @@ def make_linear_attention_exact(model: Any, cp_mesh: Any, mode: str = "allgather
     mixing = _Mixing(cp_mesh.get_group(), mode)
     replaced = []
     for name, module in found:
-        adapter = ADAPTERS[_adapter(type(module))]
+        adapter = ADAPTERS[_adapter(type(module))]  # type: ignore[arg-type]
         platform.replace_forward(module, lambda _original, m=module, a=adapter: _cp_forward(m, a, mixing))
         mark_sequence_exact(module)
         replaced.append(name)

@@ -52,7 +52,7 @@ class MaskSpec:
         rebuild from the traced tensors. The mask function itself only serves the setup probe
         (``classify``, once per module), so the first call's function is kept."""
         names = tuple(sorted(self.forward_masks or {}))
-        tensors = [self.forward_masks[n] for n in names]
+        tensors = [(self.forward_masks or {})[n] for n in names]
         name = getattr(self.mask_function, "__qualname__", type(self.mask_function).__name__)
         description = ("MaskSpec", name,
                        self.q_length, self.kv_length, self.q_offset, self.kv_offset,

@@ -14,6 +14,8 @@ from hyper_parallel.platform.training_contract import unavailable
 class ComputeStateContract:
     """Declared members of element sizes and the default computation state."""
 
+    name: str   # the platform's name (base.py), in messages
+
     def dtype_itemsize(self, dtype: Any) -> int:
         """Bytes per element of ``dtype`` (float8: 1, bfloat16: 2, float32: 4), from the framework, never
         parsed from the dtype's name."""

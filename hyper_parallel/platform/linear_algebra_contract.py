@@ -3,11 +3,15 @@
 ``Platform`` in base.py inherits it. The defaults are plain tensor algebra, the same on every
 framework; a framework with a native kernel overrides them (torch: platform/torch/linear_algebra.py).
 """
-from typing import Any
+from typing import Any, Callable
 
 
 class LinearAlgebraContract:
     """Declared members of the chunked gated delta rule."""
+
+    # Platform members (base.py) the defaults below use
+    cat: Callable[..., Any]
+    float32: Callable[[], Any]
 
     def solve_unit_lower(self, a: Any, b: Any) -> Any:
         """x with (I + strictly_lower(a)) x = b over the last two dims (a's diagonal and upper part

@@ -6,12 +6,14 @@ naming the feature); torch (platform/torch/long_sequence.py) and MindSpore
 (platform/mindspore/long_sequence.py) implement them. chunked_cross_entropy needs only ``add_rows``,
 whose default here is plain tensor algebra.
 """
-from typing import Any
+from typing import Any, Callable
 from hyper_parallel.platform.training_contract import unavailable
 
 
 class LongSequenceContract:
     """Declared members of tiled_mlp and offload_activations."""
+
+    arange: Callable[..., Any]   # a Platform member (base.py) add_rows uses
 
     def add_rows(self, target: Any, index: Any, source: Any) -> Any:
         """``target`` with ``source[i]`` added to row ``index[i]`` (repeats accumulate); may update in

@@ -212,4 +212,5 @@ class AsyncContextParallel(ContextParallel):
     backward (overlap.py; modes it cannot pipeline run as ContextParallel does)."""
 
     def __init__(self, *args: Any, overlap: bool = True, **kwargs: Any) -> None:
-        super().__init__(*args, overlap=overlap, **kwargs)
+        # overlap is keyword-only here, so it cannot also come in *args
+        super().__init__(*args, overlap=overlap, **kwargs)  # type: ignore[misc]

@@ -20,7 +20,7 @@ from hyper_parallel.core.dtensor.spec import DTensorSpec
 from hyper_parallel.platform import get_platform
 
 
-class DTensor(get_platform().DTensorBase):
+class DTensor(get_platform().DTensorBase):  # type: ignore[misc]  # the platform's base, chosen at import
 
     @classmethod
     def _make(cls, local_tensor, spec, requires_grad=False):
@@ -36,8 +36,14 @@ class DTensor(get_platform().DTensorBase):
     # (dispatch/fallback.py), _hp_aten (aten/aten_dispatch.py), _hp_fused (aten/foreach.py),
     # _hp_describe / _hp_checkpoint_box / _hp_rebuild (checkpoint.py), _redistribute_cast
     # (redistribute_cast.py).
-    _hp_function = _hp_replicated = _hp_aten = _hp_fused = _redistribute_cast = None
-    _hp_describe = _hp_checkpoint_box = _hp_rebuild = None
+    _hp_function: Any = None
+    _hp_replicated: Any = None
+    _hp_aten: Any = None
+    _hp_fused: Any = None
+    _redistribute_cast: Any = None
+    _hp_describe: Any = None
+    _hp_checkpoint_box: Any = None
+    _hp_rebuild: Any = None
 
     # gradient-layout hooks: MindSpore's autograd bridge carries gradients as local tensors
     def _hp_grad_spec(self):

@@ -47,8 +47,8 @@ class FSDPParam:
         self.sharded = platform.Parameter(dt, requires_grad=self.requires_grad)
         self.swap(self.sharded)
         self.offset = 0            # of this parameter's piece in a rank's flat buffer (set by the group)
-        self.unsharded = None      # the gathered parameter the module computes with
-        self.unsharded_local = None
+        self.unsharded: Any = None      # the gathered parameter the module computes with
+        self.unsharded_local: Any = None
         self.accumulated = None    # unreduced gradient kept by set_requires_gradient_sync(False)
 
     # ------------------------------------------------------------------ identity
@@ -61,7 +61,7 @@ class FSDPParam:
         """Adopt the registered DTensor if the module replaced it (``to_empty`` makes new
         parameter objects); must run while sharded."""
         module, attr = self.locations[0]
-        current = dict(get_platform().named_parameters(module)).get(attr)
+        current: Any = dict(get_platform().named_parameters(module)).get(attr)
         replaced = current is not self.sharded and isinstance(current, DTensor)
         if replaced and current._spec == self.sharded._spec:
             wrap_state.retire(self.sharded, self.text)

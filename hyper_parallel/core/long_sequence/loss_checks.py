@@ -22,7 +22,7 @@ def agree_across_vocab_shards(hidden: Any, weight: Any, labels: Any, chunk_size:
     ``HP_CHECK_RANKS=every`` (labels change every step; a digest per step would be a host read per
     step). Only the TP dim: data-parallel ranks hold other labels legitimately."""
     from hyper_parallel.core.agreement import Deferred, check_agreement, tensor_digest
-    placements = getattr(weight, "placements", None)
+    placements: Any = getattr(weight, "placements", None)
     split = [m for m, p in enumerate(placements or ()) if p.is_shard()]
     if len(split) != 1:
         return   # a plain weight: no group; other layouts are refused (the same on every rank) later

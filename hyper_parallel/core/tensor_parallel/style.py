@@ -103,6 +103,7 @@ class RowwiseParallel(ParallelStyle):
         kind = _module_kind(module)
         if kind is None:
             raise _unsupported(self, module)
+        desired: Any   # Shard or Replicate
         if kind == "linear":
             shard_parameters(module, device_mesh, {"weight": Shard(1), "bias": Replicate()},
                              self.src_data_rank)

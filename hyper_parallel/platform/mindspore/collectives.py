@@ -38,7 +38,7 @@ class Collectives:
     def __init__(self, platform: Any) -> None:
         self._platform = platform
         self._groups: dict[Any, Any] = {}
-        self._world = None
+        self._world: Any = None
 
     # =========================================================================== groups
     @property

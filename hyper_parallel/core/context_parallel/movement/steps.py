@@ -1,6 +1,6 @@
 """What the q/k/v moves share: the one even collective step a move must be, and ``Block``, a tensor
 on its way (no DTensor built until a chunk reaches the attention)."""
-from typing import Any
+from typing import Any, Optional
 from dataclasses import dataclass
 
 from hyper_parallel.core.dtensor.dtensor import DTensor
@@ -34,7 +34,7 @@ class Block:
     local: object
     placements: tuple
     shape: tuple
-    grads: tuple = None
+    grads: Optional[tuple] = None
 
     def dtensor(self, mesh: Any) -> Any:
         return DTensor.from_local(self.local, mesh, self.placements, shape=self.shape,

@@ -24,7 +24,7 @@ Not pipelined (run whole, exactly as without overlap): load balancing, the ring 
 own hops), active attention_masks, a q DTensor on another mesh ("other_mesh"), k/v heads the chunks
 cannot split, and layouts the split moves do not cover (uneven blocks, several steps).
 """
-from typing import Any, Iterator
+from typing import Any, Iterator, List, Set
 import contextlib
 from dataclasses import replace
 
@@ -259,7 +259,9 @@ def run_overlapped(style: Any, inputs: Any, ulysses_dims: Any, gather_dims: Any,
     chunk_inputs = replace(inputs, shapes=[b.shape for b in chunks[0]])
     heads = (chunk_inputs.shapes[0][inputs.head], inputs.shapes[0][inputs.head])
     join = lambda out, seq: _join_dim(out, seq, ulysses_dims, heads, whole or None)  # noqa: E731
-    outs, layouts, head = [], set(), None
+    outs: List[Any] = []
+    layouts: Set[Any] = set()
+    head = None
     for c, pipe in enumerate(pipes):
         qkv = pipe.complete(inputs.mesh)
         for later in pipes[c + 1:c + 1 + depth]:

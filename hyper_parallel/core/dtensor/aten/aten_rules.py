@@ -95,11 +95,11 @@ def _functional(func, mode):
         def run(self, *args, **kwargs):
             return func(self.clone(), *args, **kwargs)
     elif mode == _OUT:
-        def run(*args, **kwargs):
+        def run(*args, **kwargs):  # type: ignore[misc]  # one name, three signatures
             scratch = kwargs.pop("_hp_out_like")
             return func(*args, **kwargs, out=scratch.new_empty((0,)))
     else:
-        def run(*args, **kwargs):
+        def run(*args, **kwargs):  # type: ignore[misc]
             return func(*args, **kwargs)
     base = _names(func)
     run.__name__ = base[:-1] if base.endswith("_") else base   # the name linearity tests read

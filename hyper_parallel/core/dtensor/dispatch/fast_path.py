@@ -96,7 +96,7 @@ def dispatch(name: str, func: Any, args: Any, kwargs: Any, hit_only: bool = Fals
     a = args[0]
     la = a._local_tensor
     if n == 1:
-        key = (name, func, id(a._spec), la.dtype)
+        key: tuple = (name, func, id(a._spec), la.dtype)
         entry = _ENTRIES.get(key)
         if entry is None or (_stack.get() and involved([a]) is not None):
             return NotImplemented if hit_only else _miss(name, func, args, kwargs, key, entry)
