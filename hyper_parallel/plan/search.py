@@ -17,7 +17,7 @@ import sys
 from typing import Any, List, Optional, Tuple
 
 from hyper_parallel.plan.models import layer_period, load_config, model_fn
-from hyper_parallel.plan.roofline import predict
+from hyper_parallel.plan.roofline import DEVICES, fits, predict
 from hyper_parallel.plan.scaling import scaled_dry_run
 
 FEATURE_LADDER = (("chunked_loss",), ("chunked_loss", "checkpoint"),
@@ -133,6 +133,12 @@ class Searcher:
         peak is the largest of the rank roles' (``roles``), the step time the slowest role's."""
         result = None
         for features in FEATURE_LADDER:
+            try:
+                if features != FEATURE_LADDER[-1] and self._exceeds_at_k(mesh, mode, features, ep):
+                    continue
+            except (ValueError, NotImplementedError) as error:
+                self.refused.append((_label(mesh, ep), mode, features, str(error).splitlines()[0][:200]))
+                return result
             predictions = []
             for rank in self._roles(mesh, mode):
                 try:
@@ -153,6 +159,16 @@ class Searcher:
             if fits:
                 return result
         return result
+
+    def _exceeds_at_k(self, mesh: dict, mode, features, ep) -> bool:
+        """Pruning by the first dry run: the model cut to k layers already peaks above the usable
+        memory, so the whole model (more layers, never less memory) does not fit either; the 2k-layer
+        run is skipped and the next rung of the ladder tried."""
+        capacity = self.memory if self.memory is not None else DEVICES.get(self.device, {}).get("memory")
+        if capacity is None or self.total_layers <= 2 * self.period:
+            return False
+        return any(not fits(self._run(mesh, mode, features, self.period, rank, ep).peak_memory_bytes,
+                            capacity) for rank in self._roles(mesh, mode))
 
     def plans(self, all_modes: bool = False, only: Optional[dict] = None) -> list:
         """(mesh, cp mode, ep dims) to evaluate; ``only``: {"tp": [...], "cp": [...], "modes": [...]}."""
