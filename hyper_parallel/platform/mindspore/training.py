@@ -2,8 +2,8 @@
 reducer in ``nn.TrainOneStepCell``, checkpoint files, and the PyNative-only guard.
 
 ``MindSporeTrainingSupport`` is mixed into ``MindSporePlatform``. Core drives all of it:
-``core/data_parallel_tuple.py`` (the gradient all-reduce), ``core/dtensor/checkpoint_layout.py``
-(layouts and resharding) and ``core/dtensor/factories.py``.
+``core/data_parallel/api.py`` (the gradient all-reduce, on ``core/data_parallel/reducer.py``),
+``core/dtensor/checkpoint_layout.py`` (layouts and resharding) and ``core/dtensor/factories.py``.
 
 MindSpore hands gradients to the training step as one tuple, in the optimizer's parameter order
 (``grads = self.grad(self.network, self.weights)(...)``, then ``self.grad_reducer(grads)``), not
@@ -48,7 +48,8 @@ def _to_numpy(tensor):
 class MindSporeTrainingSupport(MindSporeFullyShardSupport):   # fully_shard's members: its own file
     """Mixin of ``MindSporePlatform`` (see the module docstring)."""
 
-    # gradients reach the training step as a tuple (core: data_parallel_tuple), not through hooks
+    # gradients become ready together, as the tuple a training step hands its grad_reducer (core:
+    # data_parallel/api.py's TupleGradReducer), not one by one through hooks
     gradients_as_tuple = True
 
     def __init__(self) -> None:
