@@ -14,7 +14,8 @@ def test_steady_state_exchanges_nothing(framework, world_size):
     assert run_on(framework, world_size, cases.steady_state_is_free, timeout=60) == [True] * world_size
 
 
-@pytest.mark.parametrize("case", ["generic_gap", "chunked_loss_gap", "cp_window_gap", "linear_attention_gap"])
+@pytest.mark.parametrize("case", ["generic_gap", "chunked_loss_gap", "cp_window_gap", "linear_attention_gap",
+                                  "fully_shard_extra_call"])
 def test_one_rank_changing_alone_is_caught(case):
     from tests.harness import run_dist
     try:

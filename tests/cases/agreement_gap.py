@@ -138,3 +138,32 @@ def linear_attention_gap(rank, world_size):
     else:
         _raises_any(lambda: context_parallel_delta_rule(q, k, v, g, beta, mesh, scale=0.5), "timed out")
     return True
+
+
+def fully_shard_extra_call(rank, world_size):
+    """After two steps alike, the odd rank runs block 0 twice in the root's forward: it checks the
+    unit's call alone and raises naming the unit and the call count; its peers time out (bounded)."""
+    from hyper_parallel import init_device_mesh
+    from tests import fully_shard_models as fm
+
+    class RepeatNet(fm.Net):
+        repeat_first = False
+
+        def forward(self, x):
+            h = self.blocks[0](self.inp(x))
+            if self.repeat_first:
+                h = self.blocks[0](h)
+            return self.head(self.blocks[1](h))
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",), timeout=GAP_TIMEOUT)
+    model = fm.shard_net(RepeatNet(), mesh)
+    for step in range(2):
+        fm.loss_fn(model(fm.batch(step, rank))).backward()
+    model.repeat_first = rank == world_size - 1
+    if model.repeat_first:
+        expect_error(ValueError, lambda: model(fm.batch(2, rank)),
+                     "fully_shard unit call: the agreement check", "was not joined",
+                     "call of the unit in this forward (rank", "now has 2",
+                     "call every fully_shard unit the same number of times")
+    else:   # the forward's gathers were issued alike (prefetched); the backward's reduction waits
+        _raises_any(lambda: fm.loss_fn(model(fm.batch(2, rank))).backward(), "timed out")
+    return True
