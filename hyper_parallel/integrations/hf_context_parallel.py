@@ -43,6 +43,7 @@ from hyper_parallel.core.context_parallel import attention as hp_attention
 from hyper_parallel.integrations import hf_mask_probe, hf_positions
 from hyper_parallel.integrations.hf_attention_args import attention_variant, check_attention_kwargs
 from hyper_parallel.integrations.hf_overlap import pipeline_attention_blocks
+from hyper_parallel.integrations.hf_probe_state import kept_state
 from hyper_parallel.integrations.hf_sequence_audit import refuse_sequence_mixing
 from hyper_parallel.platform import get_platform
 
@@ -209,14 +210,15 @@ class CPAttention:
             self.probing = False
             return
         try:
-            refuse_sequence_mixing(model)
-            # where positions enter (hf_positions.py): their hooks pass through while probing
-            entry = _entry_parameters(model)
-            self.sources = hf_positions.position_sources(model, entry)
-            self.entry_offset = hf_positions.entry_offset(self.sources)
-            hf_positions.install(self.sources, lambda: self.context)
-            hf_positions.refuse_block_differences(model, entry, lambda c: setattr(self, "context", c),
-                                                  self.entry_offset)
+            with kept_state(model):   # no trace of the probes left (a dynamic RoPE's cached length)
+                refuse_sequence_mixing(model)
+                # where positions enter (hf_positions.py): their hooks pass through while probing
+                entry = _entry_parameters(model)
+                self.sources = hf_positions.position_sources(model, entry)
+                self.entry_offset = hf_positions.entry_offset(self.sources)
+                hf_positions.install(self.sources, lambda: self.context)
+                hf_positions.refuse_block_differences(model, entry, lambda c: setattr(self, "context", c),
+                                                      self.entry_offset)
         finally:
             self.probing = False
 
