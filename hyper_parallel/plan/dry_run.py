@@ -10,6 +10,7 @@ document per sequence.
 import math
 from typing import Callable, Dict, Optional, Sequence
 
+from hyper_parallel.core.arguments import check_int
 from hyper_parallel.core.comm_mode import CommDebugMode
 from hyper_parallel.plan.options import FEATURES, cp_kwargs, check_features
 from hyper_parallel.plan.report import DryRunReport
@@ -38,8 +39,8 @@ def check_mesh(mesh_shape: Sequence[int], mesh_dim_names: Sequence[str]) -> Dict
     unknown = [n for n in mesh_dim_names if n not in MESH_DIMS + ("ep",)]
     if unknown or len(set(mesh_dim_names)) != len(mesh_dim_names):
         raise ValueError(f"dry_run: mesh dims {list(mesh_dim_names)}: each must be one of {MESH_DIMS}, once")
-    if any(int(s) < 1 for s in mesh_shape):
-        raise ValueError(f"dry_run: mesh_shape {tuple(mesh_shape)} has a size below 1")
+    for size in mesh_shape:   # 2.5 or True must not pass as 2 or 1
+        check_int("dry_run", "mesh_shape", size, minimum=1, fix="give every mesh size as an int >= 1")
     if "ep" in mesh_dim_names:
         # this library's experts split over data-parallel dims (SPEC §17): ep names them
         raise ValueError("dry_run: expert parallelism runs over the data-parallel ranks here, not a mesh dim "
@@ -164,6 +165,8 @@ def dry_run(model_fn: Callable, mesh_shape: Sequence[int], mesh_dim_names: Seque
     tools = torch_tools()
     sizes = check_mesh(mesh_shape, mesh_dim_names)
     check_features(features, cp_mode, sizes)
+    for name, value in (("seq_len", seq_len), ("batch", batch), ("rank", rank)):
+        check_int("dry_run", name, value)   # 16.0, 1.5, inf: a ValueError, not torch's TypeError later
     if seq_len % max(1, sizes.get("cp", 1)) or seq_len < 1 or batch < 1:
         raise ValueError(f"dry_run: seq_len {seq_len} must be a positive multiple of cp={sizes.get('cp', 1)} "
                          f"and batch {batch} positive")
