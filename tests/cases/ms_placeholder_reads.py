@@ -2,7 +2,7 @@
 issue 36 item 7): each gives the right value or raises naming the fix, never the empty placeholder.
 ``ms.Tensor(dt)`` is the one path left: MindSpore's constructor copies the placeholder in C++ and
 reads nothing a DTensor could answer (it asks only ``__class__``), so it returns an empty tensor of
-shape (0,) (documented in docs/mindspore.md's limits)."""
+shape (0,): an open limit."""
 import numpy as np
 
 from tests.frameworks import inp
