@@ -39,6 +39,7 @@ class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, TorchComputeState, To
         self._group_ranks: Dict[Any, tuple] = {}
         self._group_timeouts: Dict[Any, Optional[float]] = {}
         self._companions: Dict[Any, Any] = {}   # group -> its agreement_group
+        self._companion_keys: set = set()       # new_group keys whose companion exists
         self._default_timeout_s: Optional[float] = None
 
     # ---------------------------------------------------------------- device
@@ -150,7 +151,11 @@ class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, TorchComputeState, To
             self._groups[key] = group
             self._group_ranks[group] = ranks
             self._group_timeouts[group] = timeout_s if timeout_s is not None else self._default_timeout_s
-        if group not in self._companions:   # here, where every rank creates every group in one order
+        # once per key, where every rank creates every group in one order; not per group object: a
+        # rank outside several groups gets torch's one NON_GROUP_MEMBER for all of them, so only its first
+        # got a companion, the ranks' new_group calls fell out of step and 2-D mesh checks timed out
+        if key not in self._companion_keys:
+            self._companion_keys.add(key)
             self._companions[group] = self._companion(ranks, timeout_s)
         return group
 
@@ -199,6 +204,7 @@ class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, TorchComputeState, To
         self._group_ranks.clear()
         self._group_timeouts.clear()
         self._companions.clear()
+        self._companion_keys.clear()
 
     # ---------------------------------------------------------------- autograd plumbing for core
     @staticmethod
