@@ -150,8 +150,8 @@ def p2p_exchange(comm: Any, sends: Any, recvs: Any, group: Any, async_op: bool) 
 
 
 def unsupported(op: str) -> Any:
-    """Collectives with no functional form here (point-to-point: ring attention)."""
+    """Collectives with no functional form here (synchronous point-to-point exchanges)."""
     raise NotImplementedError(
-        f"{op} cannot be traced by torch.compile here (no functional point-to-point collective); run "
-        f"this part eagerly: ring attention (kv_exchange='ring') is a documented compile boundary "
-        f"(docs/compile.md)")
+        f"{op} cannot be traced by torch.compile here (a point-to-point exchange whose ranks may make "
+        f"different calls); run this part eagerly: the load-balance / zigzag swap and linear attention's "
+        f"exchanges are documented compile boundaries (docs/compile.md)")
