@@ -2,10 +2,11 @@
 
 The step is the library's real path: ``parallelize_model`` (tensor parallel, context parallel,
 fully_shard, chunked loss), ``tiled_mlp``, Hugging Face's activation checkpointing, an AdamW step.
-Two steps run; the second is measured (the first does what happens once: cross-rank agreement
-checks, the optimizer's state). What cannot be known without values is assumed, at the few places that
-read values on the host (``platform.is_fake``): ranks agree, labels are in range, one unpadded
-document per sequence.
+Three steps run; the third is measured (the first two do what happens once: cross-rank agreement
+checks, the optimizer's state; see ``measure``). What cannot be known without values is assumed, at
+the few places that read values on the host (``platform.is_fake``): ranks agree, labels are in range,
+one unpadded document per sequence, and MoE routing is balanced (expert_parallel/dispatch.py:
+assignment i to expert i mod E on every rank).
 """
 import math
 from typing import Callable, Dict, Optional, Sequence
@@ -213,7 +214,6 @@ def _step_report(tools, model, mesh, sizes, seq_len, batch, cp_mode, features, c
                  rank):
     import warnings
     from hyper_parallel.core.data_parallel.shard_sequence import shard_sequence
-    mixed = "param_dtype" in options or "reduce_dtype" in options
     _apply_features(model, features, chunks)
     _parallelize(model, mesh, sizes, cp_mode, features, options)
     cp_mesh = mesh["cp"] if sizes.get("cp", 1) > 1 else None
@@ -222,16 +222,16 @@ def _step_report(tools, model, mesh, sizes, seq_len, batch, cp_mode, features, c
         # the mixed-precision path applies fully_shard after parallelize_model, whose first-forward
         # check would call the dp dims unreduced; every dim is reduced here (fully_shard / data_parallel)
         warnings.filterwarnings("ignore", message="parallelize_model: the gradients are reduced over no")
-        # ... and fully_shard's unit-call order is then learned in the warm-up steps (a real run's CP
-        # audit forwards teach it earlier): two warm-up steps reach the steady state
         return measure(step, shard_sequence, mesh, sizes, name, seq_len, batch,
-                       cp_mode if cp_mesh is not None else None, features, rank, 2 if mixed else 1)
+                       cp_mode if cp_mesh is not None else None, features, rank)
 
 
-def measure(step, shard_sequence, mesh, sizes, name, seq_len, batch, cp_mode, features, rank, warmups=1):
-    """The steady-state step (memory, FLOPs, collectives), fake or real alike: a warm-up step first,
-    which does what happens once (cross-rank agreement checks, the optimizer's state). Measuring the
-    first step instead is not the same: first calls compute more than the steady state does."""
+def measure(step, shard_sequence, mesh, sizes, name, seq_len, batch, cp_mode, features, rank, warmups=2):
+    """The steady-state step (memory, FLOPs, collectives), fake or real alike, after ``warmups``
+    steps, which do what happens once (cross-rank agreement checks, the optimizer's state). Two: the
+    agreement schedule learns the order of fully_shard's unit calls across steps (the transition from
+    the last layer to the next step's root) in the second step of a dry run, where a real run has
+    already seen it in its context-parallel audit's forwards (which read values; a dry run skips it)."""
     tools = torch_tools()
     for _ in range(warmups):
         step.run(shard_sequence)
