@@ -30,12 +30,14 @@ only under ``HP_CHECK_RANKS=every``).
 
 A rank whose settings change ALONE (its peers continue as before) is the one rank whose site
 sees a change, so it enters the exchange alone. The exchange runs on the platform's
-``agreement_group``, a companion of each mesh group created beside it (torch): the lone rank waits
+``agreement_group``, a companion created beside each group of a mesh built with ``timeout=``
+(torch): the lone rank waits
 there, never inside its peers' data collectives (which would abort gloo on a size mismatch, or
 combine unrelated buffers), until the mesh's ``timeout=`` (``init_device_mesh(..., timeout=)``)
 expires; it then raises a ValueError naming the feature and the settings it changed, and its peers'
-next collective times out the same way (a CollectiveTimeoutError naming the group). Frameworks
-without a companion group (MindSpore) exchange on the mesh group itself. ``HP_CHECK_RANKS=every``
+next collective times out the same way (a CollectiveTimeoutError naming the group). Without a
+companion (MindSpore; a torch mesh without ``timeout=``) the exchange runs on the mesh group itself,
+where a lone rank meets its peers' next collective. ``HP_CHECK_RANKS=every``
 (set alike on every rank) exchanges on every call, so the first differing call raises a
 ValueError on every rank, including for ``Deferred`` digests.
 
