@@ -98,6 +98,12 @@ def check_expert_parallel(model: Any, mesh: Any, ep: Any, data_parallel: bool = 
         raise ValueError(f"parallelize_model(ep={ep!r}): {type(model).__name__} has no MoE layer (an "
                          f"'experts' module with 3-D gate_up_proj / down_proj, or a per-expert list)")
     validate_degrees(num or _expert_count(blocks[0]), size, top_k)
+    listed = any(list_experts(block) is not None for block in blocks)
+    if listed and getattr(config, "output_router_logits", False):
+        # the global load-balancing loss reads HF 5.x routers' logits (their first output)
+        raise ValueError(f"parallelize_model(ep={ep!r}): {type(model).__name__} holds per-expert lists and "
+                         f"asks for router logits (output_router_logits=True); the global auxiliary loss is "
+                         f"wired for stacked Hugging Face 5.x layers only: set output_router_logits=False")
     _check_routing_agreement(model, mesh, blocks)
     return dims
 
