@@ -5,7 +5,7 @@ other coordinate of the root) with the mesh's own dims last. Group creation walk
 ``_full`` in a fixed order, so all ranks create the same groups in the same order and group
 creation can never deadlock.
 """
-from typing import Any, Optional
+from typing import Any, Iterable, Optional, Sequence, Tuple, Union
 import math
 import numbers
 import threading
@@ -87,11 +87,11 @@ class DeviceMesh:
 
     # ------------------------------------------------------------------ properties
     @property
-    def ndim(self) -> Any:
+    def ndim(self) -> int:
         return self._mesh.ndim
 
     @property
-    def mesh_shape(self) -> Any:
+    def mesh_shape(self) -> Tuple[int, ...]:
         return tuple(self._mesh.shape)
 
     shape = mesh_shape
@@ -101,27 +101,27 @@ class DeviceMesh:
         return get_platform().tensor(self._mesh.tolist())
 
     @property
-    def mesh_dim_names(self) -> Any:
+    def mesh_dim_names(self) -> Optional[Tuple[str, ...]]:
         return self._dim_names
 
     @property
-    def rank_list(self) -> Any:
+    def rank_list(self) -> Tuple[int, ...]:
         return tuple(int(r) for r in self._mesh.reshape(-1))
 
     @property
-    def root_mesh(self) -> Any:
+    def root_mesh(self) -> Optional["DeviceMesh"]:
         return self._root
 
-    def size(self, dim: Any = None) -> Any:
+    def size(self, dim: Union[int, str, None] = None) -> int:
         return int(self._mesh.size) if dim is None else int(self._mesh.shape[self._dim_index(dim)])
 
-    def get_rank(self) -> Any:
+    def get_rank(self) -> int:
         return self._rank
 
-    def get_coordinate(self) -> Any:
+    def get_coordinate(self) -> Optional[Tuple[int, ...]]:
         return self._coordinate
 
-    def get_group(self, dim: Any = None) -> Any:
+    def get_group(self, dim: Any = None) -> Any:   # dim: an index or a name, None for a 1-D mesh
         if dim is None:
             if self.ndim != 1:
                 raise ValueError(f"get_group() of a {self.ndim}-D mesh needs a dim (index or name in "
@@ -145,12 +145,12 @@ class DeviceMesh:
                                f"before destroy_process_group(), or initialise again and build a new mesh "
                                f"(init_device_mesh) and new DTensors on it")
 
-    def get_local_rank(self, dim: Any = None) -> Any:
+    def get_local_rank(self, dim: Union[int, str, None] = None) -> int:
         if self._coordinate is None:
             raise ValueError(f"rank {self._rank} is not part of mesh {self.rank_list}")
         return self._coordinate[self._dim_index(0 if dim is None else dim)]
 
-    def group_ranks(self, dim: Any) -> Any:
+    def group_ranks(self, dim: Any) -> Tuple[int, ...]:   # dim: an index or a name
         """The global ranks of this rank's group along ``dim``, in mesh order."""
         dim = self._dim_index(dim)
         index = list(self._anchor(f"group on mesh dim {dim}"))
@@ -210,7 +210,7 @@ class DeviceMesh:
                           _full=full, _root=self._root_or_self(), _groups=groups,
                           _root_dims=tuple(self._root_dims[d] for d in dims), _timeout=self._timeout)
 
-    def flatten(self, name: Optional[str] = None) -> Any:
+    def flatten(self, name: Optional[str] = None) -> "DeviceMesh":
         """This mesh as one dim (row-major); registered on the root under ``name``."""
         name = name or "_".join(self._dim_names or (f"dim{d}" for d in range(self.ndim)))
         root = self._root_or_self()
@@ -241,7 +241,7 @@ class DeviceMesh:
                           _full=full, _timeout=self._timeout)
 
     @staticmethod
-    def concatenate(meshes: Any) -> Any:
+    def concatenate(meshes: Iterable["DeviceMesh"]) -> "DeviceMesh":
         """One mesh of the dims of ``meshes`` (disjoint names, same root), in the root's dim order."""
         meshes = list(meshes)
         roots = {id(m._root_or_self()) for m in meshes}
@@ -303,7 +303,7 @@ class DeviceMesh:
         return out
 
     # ------------------------------------------------------------------ identity
-    def to_hash(self) -> Any:
+    def to_hash(self) -> tuple:
         key = self.__dict__.get("_identity")
         if key is None:  # a mesh never changes: computed once (dispatch compares meshes per op)
             key = self.__dict__["_identity"] = (self.mesh_shape, self._dim_names, self.rank_list)
@@ -328,8 +328,9 @@ class DeviceMesh:
         return False
 
 
-def init_device_mesh(device_type: Any, mesh_shape: Any, *, mesh_dim_names: Any = None,
-                     timeout: Any = None) -> Any:
+def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
+                     mesh_dim_names: Optional[Sequence[str]] = None,
+                     timeout: Optional[float] = None) -> DeviceMesh:
     """A mesh over all ranks (row-major), initialising the default group from the launcher env.
 
     ``timeout`` (seconds) bounds every collective of the mesh: a rank that stops taking part makes

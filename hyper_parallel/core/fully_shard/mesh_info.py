@@ -1,6 +1,6 @@
 """The mesh fully_shard shards over: which dim shards, which replicates (HSDP), and the layout a
 parameter takes on it (a tensor-parallel DTensor joins its TP mesh: the (dp_shard, tp) mesh)."""
-from typing import Any
+from typing import Any, Tuple
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard, StridedShard
 from hyper_parallel.core.dtensor.spec import DTensorSpec
@@ -46,7 +46,7 @@ class FSDPMeshInfo:
         if tp_placement.is_partial():
             raise ValueError(f"fully_shard: parameter {name} is Partial on its TP mesh; parameters must be "
                              f"Shard or Replicate")
-        names = joint.mesh_dim_names
+        names: Tuple[str, ...] = joint.mesh_dim_names or ()   # named: checked above
         tp_index = names.index(tp_mesh.mesh_dim_names[0])
         dp_index = names.index(self.mesh.mesh_dim_names[-1])
         if tp_placement.is_shard(0) and tp_index > dp_index:
