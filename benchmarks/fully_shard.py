@@ -136,7 +136,8 @@ def run_rank(args):
     runs = {k: (m, torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)) for k, m in setups.items()
             if not isinstance(m, str)}
     for model, opt in runs.values():
-        _step(torch, model, opt, x)     # warm-up: optimizer state exists
+        for _ in range(2):   # warm-up: optimizer state exists, and the ranks' agreement checks (at the
+            _step(torch, model, opt, x)   # first call and its first repeat: core/agreement.py) are done
     hp_model, hp_opt = runs["hyper_parallel.fully_shard"]
     with CommDebugMode() as comm:
         hp_model(x).pow(2).mean().backward()
