@@ -152,6 +152,19 @@ def apply_expert_parallel(model: Any, mesh: Any, ep: Any, data_dims: Sequence[st
     return model
 
 
+def global_aux_loss(model: Any, mesh: Any, data_dims: Sequence[str], average: bool) -> None:
+    """Without ``ep=`` (experts replicated): the load-balancing loss over the global tokens of the data
+    ranks, as with ``ep=``. Hugging Face's own is each rank's batch / sequence block alone, a product
+    of two means whose mean over the ranks is another loss (router gradients off by 3e-3 under CP)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    dims = [d for d in data_dims if d is not None and d in names and mesh.size(names.index(d)) > 1]
+    blocks = _moe_blocks(model)
+    # stacked (Hugging Face 5.x) layers only: their routers' first output is the logits
+    if dims and blocks and all(hasattr(b, "experts") and is_stacked_experts(b.experts) for b in blocks):
+        data_mesh = _sub(mesh, dims)
+        _global_aux_loss(model, data_mesh.get_group(0), 1 if average else data_mesh.size())
+
+
 def _check_data_dims(mesh: Any, ep: Any, dims: Sequence[str], data_dims: Sequence[str]) -> None:
     """The ep ranks must be data ranks (they keep their own tokens, whose gradients fully_shard
     reduces), and no data dim may escape the experts' reduction (HSDP's dp_replicate is not wired)."""

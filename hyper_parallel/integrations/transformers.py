@@ -14,7 +14,8 @@ from typing import Any, Optional, Tuple, Union
 from hyper_parallel.integrations.hf_chunked_loss import apply_chunked_loss, check_loss_option, probe_logits
 from hyper_parallel.integrations.hf_context_parallel import apply_context_parallel, prepare_context_parallel
 from hyper_parallel.integrations.hf_compile import compile_decoder_layers
-from hyper_parallel.integrations.hf_expert_parallel import apply_expert_parallel, check_expert_parallel
+from hyper_parallel.integrations.hf_expert_parallel import (apply_expert_parallel, check_expert_parallel,
+                                                            global_aux_loss)
 from hyper_parallel.integrations.hf_fully_shard import warn_unreduced_dims
 from hyper_parallel.integrations.hf_linear_attention import make_linear_attention_exact
 from hyper_parallel.integrations.hf_mla import make_mla_exact
@@ -70,9 +71,11 @@ def parallelize_model(model: Any, device_mesh: Any, *, tp: Optional[str] = "tp",
         raise ValueError(f"parallelize_model: context-parallel options {sorted(context_parallel_kwargs)} "
                          f"given but the mesh has no {cp!r} dim")
     state = _apply_attention_parallelism(model, tp_mesh, cp_mesh, context_parallel_kwargs)
+    data_dims = tuple(d for d in (dp_shard, cp) if d is not None)
     if ep is not None:
-        data_dims = tuple(d for d in (dp_shard, cp) if d is not None)
         apply_expert_parallel(model, device_mesh, ep, data_dims, average)
+    else:   # replicated experts: the auxiliary loss over the global tokens all the same
+        global_aux_loss(model, device_mesh, data_dims, average)
     if fsdp:
         from hyper_parallel.integrations.hf_fully_shard import apply_fully_shard
         apply_fully_shard(model, device_mesh, dp_shard, cp if cp_mesh is not None else None, average)

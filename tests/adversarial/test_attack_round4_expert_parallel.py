@@ -3,11 +3,13 @@ round-4 attack): Hugging Face's MoE forward reads ``router_aux_loss_coef``, ``nu
 ``num_experts_per_tok`` from the model at every call, so a coefficient schedule (or a changed top-k)
 after wrapping must train as one process does; a rank changing one alone gets a ValueError naming it
 on every rank. Before the fix the values found at parallelize_model were used for good (loss off by
-0.85 for a coefficient changed from 0.1 to 0.5)."""
+0.85 for a coefficient changed from 0.1 to 0.5). Without ``ep=`` (experts replicated) the auxiliary
+loss was each rank's own batch / sequence block (router gradients off by 3e-3 under CP): it is global
+too now."""
 from tests.harness import run_dist
 
 
-def _models(world_size):
+def _models(world_size, names=("dp_shard",), ep="dp_shard"):
     import copy
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -20,8 +22,8 @@ def _models(world_size):
                             router_aux_loss_coef=0.1)
     torch.manual_seed(0)
     ref = Qwen3MoeForCausalLM(config).float()
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",), timeout=30)
-    model = parallelize_model(copy.deepcopy(ref), mesh, ep="dp_shard")
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=names, timeout=30)
+    model = parallelize_model(copy.deepcopy(ref), mesh, ep=ep)
     return ref, model
 
 
@@ -73,3 +75,24 @@ def test_top_k_changed_after_wrap():
 
 def test_one_rank_changes_the_coefficient():
     assert run_dist(2, _one_rank_changes_coef, timeout=120) == [True, True]
+
+
+def _global_without_ep(rank, world_size, dim):
+    import torch
+    from hyper_parallel import init_device_mesh, shard_sequence
+
+    ref, model = _models(world_size, names=(dim,), ep=None)
+    ids = torch.randint(0, 64, (world_size, 16), generator=torch.Generator().manual_seed(5))
+    if dim == "cp":
+        mine = shard_sequence(ids, init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",)), seq_dim=1)
+    else:
+        mine = ids[rank:rank + 1]
+    out = model(input_ids=mine, use_cache=False)
+    expected = ref(input_ids=ids, use_cache=False)
+    torch.testing.assert_close(out.aux_loss, expected.aux_loss, rtol=0, atol=1e-6)
+    return True
+
+
+def test_aux_loss_is_global_without_ep():
+    assert run_dist(2, _global_without_ep, "cp", timeout=120) == [True, True]
+    assert run_dist(2, _global_without_ep, "dp_shard", timeout=120) == [True, True]
