@@ -9,12 +9,13 @@ path (``aten/``), checkpointing and the casting redistribution each attach their
 the class when imported (``attach``), the way sharding rules register themselves; the package's
 ``__init__`` imports them all. So every module here can import DTensor, and DTensor none of them.
 """
-from typing import Any
+from typing import Any, Tuple
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.dtensor import rank_check as rc
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.layout import grad_placements
 from hyper_parallel.core.dtensor.mesh_registry import remember_mesh, resolve_mesh
-from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, normalize_placements
+from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, normalize_placements
 from hyper_parallel.core.dtensor.redistribute import redistribute_local
 from hyper_parallel.core.dtensor.spec import DTensorSpec
 from hyper_parallel.platform import get_platform
@@ -127,15 +128,15 @@ class DTensor(get_platform().DTensorBase):  # type: ignore[misc]  # the platform
 
     # ------------------------------------------------------------------ metadata
     @property
-    def placements(self) -> Any:
+    def placements(self) -> Tuple[Placement, ...]:
         return self._spec.placements
 
     @property
-    def device_mesh(self) -> Any:
+    def device_mesh(self) -> DeviceMesh:
         return self._spec.mesh
 
     @property
-    def local_shape(self) -> Any:
+    def local_shape(self) -> Tuple[int, ...]:
         return tuple(self._local_tensor.shape)
 
     def __repr__(self):
