@@ -9,7 +9,7 @@ one unpadded document per sequence, and MoE routing is balanced (expert_parallel
 assignment i to expert i mod E on every rank).
 """
 import math
-from typing import Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 from hyper_parallel.core.arguments import check_int
 from hyper_parallel.core.comm_mode import CommDebugMode
@@ -137,7 +137,7 @@ def _dim_labels(mesh, names):
 
 def comm_by_dim(log, mesh, names) -> Dict[str, dict]:
     labels = _dim_labels(mesh, names)
-    out = {}
+    out: dict[Any, Any] = {}
     cp = "cp" in names and mesh["cp"].size() > 1
     for op, nbytes, ranks in log:
         dim = labels.get(frozenset(ranks), "world" if len(ranks) == mesh.size() else "other")

@@ -110,8 +110,8 @@ class Searcher:
         self.experts = next((int(getattr(text, n)) for n in _EXPERTS if getattr(text, n, None)), 0)
         self.sizes = [int(getattr(text, n)) for n in _SPLIT if isinstance(getattr(text, n, None), int)]
         self.period = layers or layer_period(model)
-        self._cache = {}
-        self.refused = []
+        self._cache: dict[Any, Any] = {}
+        self.refused: list[Any] = []
 
     def _run(self, mesh: dict, mode, features, layers: int, rank: int, ep):
         key = (tuple(mesh.items()), mode, features, layers, rank, ep)

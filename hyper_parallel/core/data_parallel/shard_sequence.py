@@ -41,8 +41,8 @@ def _block_index(mesh, load_balance):
                          f"one named ('co', 'ds') in either order (the hybrid's mesh), got {mesh!r}")
     if load_balance and mesh.size("ds") != 1:
         raise ValueError(f"shard_sequence(load_balance=True) on a ('co', 'ds') mesh with ds size "
-                         f"{mesh.size('ds')}: ContextParallel balances only with ulysses_degree=1 (ds size 1); "
-                         f"set load_balance=False or use a ds size of 1")
+                         f"{mesh.size('ds')}: ContextParallel balances only with ulysses_degree=1 (ds size "
+                         f"1); set load_balance=False or use a ds size of 1")
     return mesh.get_local_rank("co") * mesh.size("ds") + mesh.get_local_rank("ds")
 
 
@@ -74,7 +74,8 @@ def shard_sequence(tensors, device_mesh, seq_dim=1, load_balance=False):
     if not isinstance(device_mesh, DeviceMesh):
         raise ValueError(f"shard_sequence needs a context-parallel DeviceMesh (e.g. mesh['cp']), got "
                          f"{device_mesh!r}")
-    check_int("shard_sequence", "seq_dim", seq_dim, fix="the sequence dim of the tensors (1: (batch, seq, ...))")
+    check_int("shard_sequence", "seq_dim", seq_dim,
+              fix="the sequence dim of the tensors (1: (batch, seq, ...))")
     index = _block_index(device_mesh, load_balance)
     if isinstance(tensors, (list, tuple)):
         out = [None if t is None else _block(t, device_mesh, seq_dim, load_balance, index) for t in tensors]
