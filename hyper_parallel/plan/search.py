@@ -233,11 +233,11 @@ def _mesh_text(c: dict) -> str:
 
 def table(result: dict) -> str:
     lines = [f"{result['model']}, seq {result['seq']}, {result['gpus']} x {result['device']}",
-             f"   {'mesh':34s} {'features':34s} {'peak GiB':>9s} {'fits':>5s} {'step s':>9s} "
+             f"   {'mesh':44s} {'features':34s} {'peak GiB':>9s} {'fits':>5s} {'step s':>9s} "
              f"{'tok/s/dev':>10s} {'MFU':>6s}"]
     for c in result["candidates"]:
         mark = "*" if c is result["best"] else " "
-        lines.append(f" {mark} {_mesh_text(c):34s} {','.join(c['features']):34s} "
+        lines.append(f" {mark} {_mesh_text(c):44s} {','.join(c['features']):34s} "
                      f"{c['peak_memory_bytes'] / 2 ** 30:9.1f} {'yes' if c['fits'] else 'no':>5s} "
                      f"{c['step_seconds']:9.3f} {c['tokens_per_second_per_device']:10.0f} "
                      f"{100 * c['mfu']:5.1f}%")
