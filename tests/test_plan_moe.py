@@ -64,10 +64,10 @@ def _real(rank, world_size, cases):
     return out
 
 
-def test_expert_parallel_dry_run_equals_real_run():
+def _check(cases):
     from hyper_parallel.plan import dry_run
-    real = run_dist(2, _real, CASES, timeout=300)
-    for i, (shape, names, ep, mode, features) in enumerate(CASES):
+    real = run_dist(2, _real, cases, timeout=300)
+    for i, (shape, names, ep, mode, features) in enumerate(cases):
         for rank in range(2):
             fake = _summary(dry_run(tiny_moe, shape, names, rank=rank, seq_len=SEQ, batch=BATCH, cp_mode=mode,
                                     features=features, ep=ep))
@@ -78,6 +78,15 @@ def test_expert_parallel_dry_run_equals_real_run():
             assert not ops or ops["all_to_all"][0] == 10
             assert fake[2] == want[2], f"{where}: FLOPs {fake[2]} vs {want[2]}"
             assert abs(fake[1] - want[1]) <= 0.05 * want[1], f"{where}: peak {fake[1]} vs real {want[1]}"
+
+
+def test_expert_parallel_dry_run_equals_real_run():
+    _check(CASES[:1])
+
+
+@pytest.mark.plan_full
+def test_expert_parallel_under_context_parallel_dry_run_equals_real_run():
+    _check(CASES[1:])
 
 
 def test_expert_parallel_bad_degree_is_named():
