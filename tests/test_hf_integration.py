@@ -222,3 +222,28 @@ def _hf_loss_keywords(rank, world_size):
 
 def test_hf_loss_keywords_pass_through_context_parallel_attention():
     assert run_dist(2, _hf_loss_keywords) == [True, True]
+
+
+def _seq_as_long_as_head_dim(rank, world_size):
+    """S == head_dim: the CP output has two dims of the sequence's length; each mode stays exact
+    (the core attention returns q's layout, so the output's sequence dim is never guessed)."""
+    import torch
+    from hyper_parallel import data_parallel, init_device_mesh
+    from hyper_parallel.integrations.transformers import parallelize_model
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    config = _config(hidden_size=4 * S)          # 4 heads of head_dim S
+    batch = _batch("plain")
+    ref = _reference(config, batch)
+    for mode, kwargs in {"ulysses": {}, "allgather": {"ulysses_degree": 1},
+                         "ring": {"ulysses_degree": 1, "kv_exchange": "ring"}}.items():
+        model = parallelize_model(_model(config), mesh, **kwargs)
+        data_parallel(model, mesh, average=False)
+        loss = _step(model, batch, mesh["cp"])
+        loss.backward()
+        _compare(torch, model, loss, ref, mode, mesh.get_group())
+    return True
+
+
+def test_hf_sequence_as_long_as_head_dim():
+    assert run_dist(2, _seq_as_long_as_head_dim) == [True] * 2

@@ -51,7 +51,9 @@ _names = itertools.count()
 
 
 class _CoreAttention(torch.nn.Module):
-    """BNSD q/k/v in, BSHD out (the layout HF attention functions return). No mask argument: padding
+    """BNSD q/k/v in, BNSD out: q's own layout, so the output's sequence dim is never ambiguous (a
+    sequence as long as head_dim), and the caller turns the local block into the BSHD that HF
+    attention functions return. No mask argument: padding
     and documents arrive through ``attention_masks``, which the CP modes apply at this attention call.
     Soft-capping, sinks and a window go through ``hyper_parallel.attention`` (sdpa has no argument
     for them); without them, plain sdpa."""
@@ -61,11 +63,10 @@ class _CoreAttention(torch.nn.Module):
         if softcap is not None or sinks is not None or window is not None:
             out = hp_attention(q, k, v, is_causal=causal, scale=scale, softcap=softcap, sinks=sinks,
                                window=window)
-            return out.transpose(1, 2)
+            return out
         extra = {"enable_gqa": True} if gqa else {}
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, scale=scale,
-                                             **extra)
-        return out.transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, scale=scale,
+                                              **extra)
 
 
 class CPAttention:
@@ -115,14 +116,15 @@ class CPAttention:
             masks = hf_mask_probe.with_chunks(masks, chunk, query.shape[0], query.shape[2] * self.mesh.size())
         args = self._core_args(module, query, key, value, attention_mask, scaling, dropout, kwargs, masks)
         if masks is None:
-            return self.core(*args), None
+            return self.core(*args).transpose(1, 2), None
         # entered per call (not across the whole forward): a forward that raises leaves no context behind
         with attention_masks(**masks):
-            return self.core(*args), None
+            return self.core(*args).transpose(1, 2), None
 
     def start(self, module, query, key, value, scaling=None, dropout=0.0, **kwargs):
         """The same call as a pending one (``start_attention``: its collective travels until
-        ``finish()``); only where no mask is active (hf_overlap.py checks)."""
+        ``finish()``, which gives the local block in BNSD); only where no mask is active (hf_overlap.py
+        checks)."""
         args = self._core_args(module, query, key, value, None, scaling, dropout, kwargs, None)
         return start_attention(self.core, *args)
 

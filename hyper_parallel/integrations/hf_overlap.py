@@ -99,7 +99,7 @@ class PipelinedAttention:
                 outs.append(pending.finish())
             pending = started
         outs.append(pending.finish())
-        out = torch.cat(outs, dim=2)   # (B, S, heads of a group, D) blocks, in head order
+        out = torch.cat(outs, dim=1).transpose(1, 2)   # (B, heads of a group, S, D) blocks, in head order
         return module.o_proj(out.reshape(*hidden.shape[:-1], -1).contiguous()), None
 
     def _group_qkv(self, hidden, c, cos, sin):
