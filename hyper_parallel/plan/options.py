@@ -26,6 +26,9 @@ def cp_kwargs(mode: Optional[str]) -> dict:
 
 
 def check_features(features: Sequence[str], cp_mode: Optional[str], sizes: Dict[str, int]) -> None:
+    if isinstance(features, str):   # iterating it would test its letters
+        raise ValueError(f"features={features!r} must be a list of feature names, e.g. [{features!r}]; "
+                         f"known: {list(FEATURES)}")
     unknown = [f for f in features if f not in FEATURES]
     if unknown:
         raise ValueError(f"features {unknown} are unknown; pass some of {list(FEATURES)}")

@@ -25,3 +25,10 @@ def test_invalid_numbers_are_refused_by_name(shape, kwargs, text):
     with pytest.raises(ValueError) as raised:
         dry_run(_never_built, shape, ("dp_shard",), **arguments)
     assert text in str(raised.value)
+
+
+def test_a_feature_name_instead_of_a_list_is_refused_by_name():
+    from hyper_parallel.plan import dry_run
+    with pytest.raises(ValueError) as raised:
+        dry_run(_never_built, (2,), ("dp_shard",), seq_len=16, rank=0, features="checkpoint")
+    assert "features='checkpoint' must be a list of feature names, e.g. ['checkpoint']" in str(raised.value)
