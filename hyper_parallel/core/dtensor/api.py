@@ -1,13 +1,15 @@
 """distribute_tensor / distribute_module: turn ordinary tensors and modules into DTensor ones."""
-from typing import Any
+from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
 from hyper_parallel.core.dtensor.mesh_registry import remember_mesh, resolve_mesh
-from hyper_parallel.core.dtensor.placement_types import Replicate, normalize_placements
+from hyper_parallel.core.dtensor.placement_types import Placement, Replicate, normalize_placements
 from hyper_parallel.core.dtensor.rank_check import (check_replicated_values, check_same_meta, debug_checks,
                                                     is_meta)
 from hyper_parallel.core.dtensor.spec import DTensorSpec
+from hyper_parallel.core.typing import Module, Tensor
 from hyper_parallel.platform import get_platform
 
 
@@ -45,8 +47,9 @@ def _already_distributed(dtensor, mesh, placements):
     return dtensor
 
 
-def distribute_tensor(tensor: Any, device_mesh: Any = None, placements: Any = None, *,
-                      src_data_rank: int = 0) -> Any:
+def distribute_tensor(tensor: Tensor, device_mesh: Optional[DeviceMesh] = None,
+                      placements: Optional[Sequence[Placement]] = None, *,
+                      src_data_rank: Optional[int] = 0) -> DTensor:
     """Shard or replicate a global ``tensor`` over ``device_mesh``.
 
     With ``src_data_rank`` (a rank within the mesh, i.e. a position in ``mesh.rank_list``, as in
@@ -100,8 +103,10 @@ def _replicate_rest(module, mesh):
             platform.set_buffer(module, bname, distribute_tensor(buf, mesh))
 
 
-def distribute_module(module: Any, device_mesh: Any = None, partition_fn: Any = None, input_fn: Any = None,
-                      output_fn: Any = None) -> Any:
+def distribute_module(module: Module, device_mesh: Optional[DeviceMesh] = None,
+                      partition_fn: Optional[Callable[[str, Module, DeviceMesh], Any]] = None,
+                      input_fn: Optional[Callable[[Module, Any, DeviceMesh], Any]] = None,
+                      output_fn: Optional[Callable[[Module, Any, DeviceMesh], Any]] = None) -> Module:
     """Apply ``partition_fn(name, submodule, mesh)`` to every submodule, then make every parameter
     and buffer it left as a plain tensor a Replicate DTensor; install ``input_fn(module, inputs,
     mesh)`` / ``output_fn(module, outputs, mesh)`` as forward hooks. ``device_mesh`` defaults to the

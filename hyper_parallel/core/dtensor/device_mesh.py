@@ -5,14 +5,16 @@ other coordinate of the root) with the mesh's own dims last. Group creation walk
 ``_full`` in a fixed order, so all ranks create the same groups in the same order and group
 creation can never deadlock.
 """
-from typing import Any, Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, Optional, Sequence, Tuple, Union, cast
 import math
 import numbers
 import threading
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from hyper_parallel.core.arguments import check_optional_float
+from hyper_parallel.core.typing import ProcessGroup, Tensor
 from hyper_parallel.platform import get_platform
 
 _state = threading.local()
@@ -24,16 +26,17 @@ def _mesh_stack():
     return _state.stack
 
 
-def current_mesh() -> Any:
+def current_mesh() -> Optional["DeviceMesh"]:
     """The innermost mesh entered with ``with mesh:``, or None."""
     stack = _mesh_stack()
     return stack[-1] if stack else None
 
 
 class DeviceMesh:
-    def __init__(self, device_type: Any, mesh: Any, *, mesh_dim_names: Any = None, _full: Any = None,
-                 _root: Any = None, _root_dims: Any = None, _timeout: Any = None,
-                 _groups: Any = None) -> None:
+    def __init__(self, device_type: str, mesh: ArrayLike, *, mesh_dim_names: Optional[Sequence[str]] = None,
+                 _full: Optional[np.ndarray] = None, _root: Optional["DeviceMesh"] = None,
+                 _root_dims: Optional[Tuple[Tuple[int, ...], ...]] = None, _timeout: Optional[float] = None,
+                 _groups: Optional[Sequence[ProcessGroup]] = None) -> None:
         platform = get_platform()
         array = np.asarray(mesh.tolist() if hasattr(mesh, "tolist") else mesh, dtype=np.int64)
         if array.ndim == 0:
@@ -97,7 +100,7 @@ class DeviceMesh:
     shape = mesh_shape
 
     @property
-    def mesh(self) -> Any:
+    def mesh(self) -> Tensor:
         return get_platform().tensor(self._mesh.tolist())
 
     @property
@@ -121,7 +124,7 @@ class DeviceMesh:
     def get_coordinate(self) -> Optional[Tuple[int, ...]]:
         return self._coordinate
 
-    def get_group(self, dim: Any = None) -> Any:   # dim: an index or a name, None for a 1-D mesh
+    def get_group(self, dim: Union[int, str, None] = None) -> ProcessGroup:   # None: a 1-D mesh's
         if dim is None:
             if self.ndim != 1:
                 raise ValueError(f"get_group() of a {self.ndim}-D mesh needs a dim (index or name in "
@@ -150,14 +153,14 @@ class DeviceMesh:
             raise ValueError(f"rank {self._rank} is not part of mesh {self.rank_list}")
         return self._coordinate[self._dim_index(0 if dim is None else dim)]
 
-    def group_ranks(self, dim: Any) -> Tuple[int, ...]:   # dim: an index or a name
+    def group_ranks(self, dim: Union[int, str]) -> Tuple[int, ...]:   # dim: an index or a name
         """The global ranks of this rank's group along ``dim``, in mesh order."""
         dim = self._dim_index(dim)
         index = list(self._anchor(f"group on mesh dim {dim}"))
         index[dim] = slice(None)
         return tuple(int(r) for r in self._mesh[tuple(index)])
 
-    def _dim_index(self, dim):
+    def _dim_index(self, dim: Union[int, str]) -> int:
         if isinstance(dim, str):
             if not self._dim_names or dim not in self._dim_names:
                 raise KeyError(f"mesh has no dim named {dim!r}; its dims are {self._dim_names}")
@@ -270,12 +273,15 @@ class DeviceMesh:
         full = np.transpose(root._full, list(range(copies)) + [copies + d for d in others] +
                             [copies + d for d in order])
         lead = full.shape[:copies + len(others)]
-        return DeviceMesh(root.device_type, sub.reshape(sizes), mesh_dim_names=tuple(n for _, n in entries),
+        return DeviceMesh(root.device_type, sub.reshape(sizes),
+                          mesh_dim_names=tuple(cast(str, n) for _, n in entries),   # checked above: no None
                           _full=full.reshape(lead + tuple(sizes)), _root=root,
                           _root_dims=tuple(dims for dims, _ in entries), _timeout=root._timeout)
 
     @staticmethod
-    def from_group(group: Any, device_type: Any, mesh: Any = None, *, mesh_dim_names: Any = None) -> Any:
+    def from_group(group: Union[ProcessGroup, Sequence[ProcessGroup]], device_type: str,
+                   mesh: Optional[ArrayLike] = None, *,
+                   mesh_dim_names: Optional[Sequence[str]] = None) -> "DeviceMesh":
         """A mesh over existing process group(s), as PyTorch's ``DeviceMesh.from_group``: one group
         gives a 1-D mesh of its ranks (``mesh`` optional); a list of groups, one per mesh dim, needs
         ``mesh`` (the global rank grid), and each group must be this rank's line of it on its dim.

@@ -9,7 +9,7 @@ path (``aten/``), checkpointing and the casting redistribution each attach their
 the class when imported (``attach``), the way sharding rules register themselves; the package's
 ``__init__`` imports them all. So every module here can import DTensor, and DTensor none of them.
 """
-from typing import Any, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.dtensor import rank_check as rc
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
@@ -18,6 +18,7 @@ from hyper_parallel.core.dtensor.mesh_registry import remember_mesh, resolve_mes
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, normalize_placements
 from hyper_parallel.core.dtensor.redistribute import redistribute_local
 from hyper_parallel.core.dtensor.spec import DTensorSpec
+from hyper_parallel.core.typing import DType, Tensor
 from hyper_parallel.platform import get_platform
 
 
@@ -57,9 +58,11 @@ class DTensor(get_platform().DTensorBase):  # type: ignore[misc]  # the platform
 
     # ------------------------------------------------------------------ construction
     @staticmethod
-    def from_local(local_tensor: Any, device_mesh: Any = None, placements: Any = None, *,
-                   run_check: bool = False, shape: Any = None, stride: Any = None,
-                   grad_placements: Any = None) -> Any:
+    def from_local(local_tensor: Tensor, device_mesh: Optional[DeviceMesh] = None,
+                   placements: Optional[Sequence[Placement]] = None, *,
+                   run_check: bool = False, shape: Optional[Sequence[int]] = None,
+                   stride: Optional[Sequence[int]] = None,
+                   grad_placements: Optional[Sequence[Placement]] = None) -> "DTensor":
         """The DTensor whose shard on this rank is ``local_tensor`` (differentiable).
 
         Without ``shape`` the shards are taken to be even; pass the global ``shape`` for uneven ones.
@@ -96,14 +99,16 @@ class DTensor(get_platform().DTensorBase):  # type: ignore[misc]  # the platform
             normalize_placements(grad_placements, len(spec.shape), device_mesh.ndim))
         return _from_local(local_tensor, spec, grad_spec=grad_spec)
 
-    def to_local(self, *, grad_placements: Any = None) -> Any:
+    def to_local(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> Tensor:
         """This rank's shard (differentiable; its gradient has this DTensor's placements)."""
         spec = self._spec if grad_placements is None else self._spec.with_placements(
             normalize_placements(grad_placements, self.ndim, self._spec.mesh.ndim))
         return _to_local(self, spec)
 
-    def redistribute(self, device_mesh: Any = None, placements: Any = None, *, async_op: bool = False,
-                     forward_dtype: Any = None, backward_dtype: Any = None) -> Any:
+    def redistribute(self, device_mesh: Optional[DeviceMesh] = None,
+                     placements: Optional[Sequence[Placement]] = None, *, async_op: bool = False,
+                     forward_dtype: Optional[DType] = None,
+                     backward_dtype: Optional[DType] = None) -> "DTensor":
         """This tensor in another layout on the same mesh (differentiable). ``forward_dtype``: cast
         the shard before the collective (the result has that dtype); ``backward_dtype``: the dtype of
         the backward collective (the input's gradient keeps the input's dtype), as PyTorch."""
@@ -119,7 +124,7 @@ class DTensor(get_platform().DTensorBase):  # type: ignore[misc]  # the platform
             return self
         return _redistribute(self, placements)
 
-    def full_tensor(self, *, grad_placements: Any = None) -> Any:
+    def full_tensor(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> Tensor:
         """The whole global tensor on every rank (differentiable). ``grad_placements``: how the
         gradient of the result is laid out (e.g. ``[Partial()]`` when each rank's gradient is a
         share of the total), default replicated."""
@@ -144,7 +149,8 @@ class DTensor(get_platform().DTensorBase):  # type: ignore[misc]  # the platform
                 f"placements={self._spec.placements}, shape={tuple(self._spec.shape)})")
 
 
-def attach(name: str, function: Any, kind: Any = staticmethod) -> None:
+def attach(name: str, function: Callable[..., Any],
+           kind: Optional[Callable[[Callable[..., Any]], Any]] = staticmethod) -> None:
     """Install ``function`` as ``DTensor.<name>`` (``kind``: staticmethod, or None for a method that
     receives the DTensor): the entry points listed in the class are attached by the modules that
     implement them, when imported."""
@@ -254,7 +260,7 @@ class _NoCtx:
     pass
 
 
-def as_layout(value: Any, spec: Any) -> Any:
+def as_layout(value: Tensor, spec: Any) -> DTensor:   # spec: a DTensorSpec (callers hold Optional ones)
     """``value`` (a DTensor in any layout, or a plain global tensor) as a DTensor of ``spec``,
     without autograd."""
     if isinstance(value, DTensor):

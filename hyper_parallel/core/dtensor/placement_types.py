@@ -5,16 +5,17 @@ applied *after* the later mesh dims (of total size k) that split the same tensor
 splits heads that TP split first. ``Replicate()``: every rank holds it all. ``Partial(op)``: the
 value is the reduction (sum/avg/max/min) of the ranks' local tensors.
 """
-from typing import Any
+from typing import Literal, Optional, Sequence, Tuple
 from hyper_parallel.core.arguments import check_int
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
+ReduceOp = Literal["sum", "avg", "max", "min"]   # what a Partial placement's pieces reduce by
 
 
 class Placement:
     __slots__ = ()
 
-    def is_shard(self, dim: Any = None) -> bool:
+    def is_shard(self, dim: Optional[int] = None) -> bool:
         return False
 
     def is_replicate(self) -> bool:
@@ -23,7 +24,7 @@ class Placement:
     def is_partial(self) -> bool:
         return False
 
-    def normalized(self, ndim: Any) -> Any:
+    def normalized(self, ndim: int) -> "Placement":
         """The same placement with a non-negative tensor dim."""
         return self
 
@@ -31,21 +32,21 @@ class Placement:
 class Shard(Placement):
     __slots__ = ("dim",)
 
-    def __init__(self, dim: Any) -> None:
+    def __init__(self, dim: int) -> None:
         self.dim = check_int("Shard", "dim", dim, fix="the int tensor dim to split")
 
-    def is_shard(self, dim: Any = None) -> bool:
+    def is_shard(self, dim: Optional[int] = None) -> bool:
         return dim is None or dim == self.dim
 
-    def with_dim(self, dim: Any) -> Any:
+    def with_dim(self, dim: int) -> "Shard":
         """The same kind of shard on another tensor dim."""
         return Shard(dim)
 
-    def chunk_of(self, coordinate: Any, mesh_size: Any) -> Any:
+    def chunk_of(self, coordinate: int, mesh_size: int) -> Tuple[int, int]:
         """(chunk index, number of chunks) that the rank at ``coordinate`` holds."""
         return coordinate, mesh_size
 
-    def normalized(self, ndim: Any) -> Any:
+    def normalized(self, ndim: int) -> "Shard":
         dim = self.dim + ndim if self.dim < 0 else self.dim
         if not 0 <= dim < max(ndim, 1):
             raise ValueError(f"{self!r} is out of range for a tensor of {ndim} dims")
@@ -64,12 +65,12 @@ class Shard(Placement):
 class StridedShard(Shard):
     __slots__ = ("split_factor",)
 
-    def __init__(self, dim: Any, split_factor: Any) -> None:
+    def __init__(self, dim: int, split_factor: int) -> None:
         super().__init__(dim)
         self.split_factor = check_int("StridedShard", "split_factor", split_factor, minimum=1,
                                       fix="the positive int size of the later mesh dims that split the dim")
 
-    def with_dim(self, dim: Any) -> Any:
+    def with_dim(self, dim: int) -> "StridedShard":
         return StridedShard(dim, self.split_factor)
 
     def __eq__(self, other):
@@ -92,16 +93,16 @@ class HeadTailShard(Shard):
     tensor, so such a DTensor is never redistributed; it only flows through ops."""
     __slots__ = ("half",)
 
-    def __init__(self, dim: Any, half: Any) -> None:
+    def __init__(self, dim: int, half: int) -> None:   # half: 0 (head) or 1 (tail)
         super().__init__(dim)
         if half not in (0, 1):
             raise ValueError(f"HeadTailShard half must be 0 or 1, got {half!r}")
         self.half = half
 
-    def with_dim(self, dim: Any) -> Any:
+    def with_dim(self, dim: int) -> "HeadTailShard":
         return HeadTailShard(dim, self.half)
 
-    def chunk_of(self, coordinate: Any, mesh_size: Any) -> Any:
+    def chunk_of(self, coordinate: int, mesh_size: int) -> Tuple[int, int]:
         return (2 * coordinate if self.half == 0 else 2 * mesh_size - 1 - 2 * coordinate), 2 * mesh_size
 
     def __eq__(self, other):
@@ -133,7 +134,7 @@ class Replicate(Placement):
 class Partial(Placement):
     __slots__ = ("reduce_op",)
 
-    def __init__(self, reduce_op: str = "sum") -> None:
+    def __init__(self, reduce_op: ReduceOp = "sum") -> None:
         if reduce_op not in REDUCE_OPS:
             raise ValueError(f"Partial reduce_op {reduce_op!r} is not one of {REDUCE_OPS}")
         self.reduce_op = reduce_op
@@ -151,7 +152,7 @@ class Partial(Placement):
         return f"P({self.reduce_op})"
 
 
-def normalize_placements(placements: Any, ndim: Any, mesh_ndim: Any) -> Any:
+def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: int) -> Tuple[Placement, ...]:
     placements = tuple(placements)
     if len(placements) != mesh_ndim:
         raise ValueError(f"got {len(placements)} placements {placements} for a {mesh_ndim}-D mesh; "

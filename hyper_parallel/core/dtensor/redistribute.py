@@ -5,11 +5,14 @@ into steps of one collective each; plans are cached here per (mesh, coordinate, 
 Execution pads uneven shards (``torch.chunk`` sizes) to equal blocks for the collective and trims
 them after, so every step stays one collective.
 """
-from typing import Any
+from typing import Sequence, Tuple
 import functools
 
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.layout import chunk_sizes
-from hyper_parallel.core.dtensor.redistribute_plan import RedistributePlanner, StepKind
+from hyper_parallel.core.dtensor.placement_types import Placement
+from hyper_parallel.core.dtensor.redistribute_plan import RedistributePlanner, Step, StepKind
+from hyper_parallel.core.typing import Tensor
 from hyper_parallel.platform import get_platform
 
 
@@ -18,7 +21,8 @@ def _plan(mesh_shape, coordinate, shape, src, dst):
     return RedistributePlanner(mesh_shape, coordinate, shape, src, dst).plan()
 
 
-def plan_redistribute(mesh: Any, shape: Any, src: Any, dst: Any) -> Any:
+def plan_redistribute(mesh: DeviceMesh, shape: Sequence[int], src: Sequence[Placement],
+                      dst: Sequence[Placement]) -> Tuple[Step, ...]:
     """The cached plan taking ``src`` placements to ``dst`` for a tensor of global ``shape``."""
     return _plan(mesh.mesh_shape, mesh.get_coordinate(), tuple(shape), tuple(src), tuple(dst))
 
@@ -104,7 +108,8 @@ def _partition(local, op, me, n):
     return local if me == 0 else platform.zeros_like(local)
 
 
-def redistribute_local(local: Any, mesh: Any, shape: Any, src: Any, dst: Any) -> Any:
+def redistribute_local(local: Tensor, mesh: DeviceMesh, shape: Sequence[int], src: Sequence[Placement],
+                       dst: Sequence[Placement]) -> Tensor:
     """Move ``local`` (the shard of a ``shape`` tensor laid out as ``src``) to layout ``dst``."""
     if mesh.get_coordinate() is None:
         return local  # a rank outside the mesh keeps its empty piece and joins no collective (PyTorch)
