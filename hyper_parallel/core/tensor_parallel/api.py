@@ -1,17 +1,22 @@
 """parallelize_module: apply parallel styles to a module tree."""
-from typing import Any
+from typing import Mapping, Optional, Union
 import fnmatch
 import warnings
 
-from hyper_parallel.core.dtensor.device_mesh import current_mesh
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, current_mesh
 from hyper_parallel.core.tensor_parallel.style import ParallelStyle, check_tp_mesh
+from hyper_parallel.core.typing import Module
 from hyper_parallel.platform import get_platform
+
+ParallelizePlan = Union[ParallelStyle, Mapping[str, "ParallelizePlan"]]
+"""A style for the module itself, or ``{fqn_pattern: style or nested plan}``."""
 
 __all__ = ["parallelize_module"]
 
 
-def parallelize_module(module: Any, device_mesh: Any = None, parallelize_plan: Any = None, *,
-                       src_data_rank: int = 0) -> Any:
+def parallelize_module(module: Module, device_mesh: Optional[DeviceMesh] = None,
+                       parallelize_plan: Optional[ParallelizePlan] = None, *,
+                       src_data_rank: Optional[int] = 0) -> Module:
     """Parallelize ``module`` in place over a 1-D tensor-parallel mesh and return it.
 
     ``parallelize_plan`` is a :class:`ParallelStyle` (applied to ``module`` itself) or a dict

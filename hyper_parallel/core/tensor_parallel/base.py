@@ -2,11 +2,18 @@
 inputs and outputs, the 1-D mesh check, and the one helper that turns a module's parameters into
 DTensor parameters (``shard_parameters``). ``style.py`` and ``prepare.py`` build the styles on it.
 """
-from typing import Any
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 from hyper_parallel.core.dtensor.api import distribute_tensor
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Placement, Replicate
+from hyper_parallel.core.typing import Module, Tensor
 from hyper_parallel.platform import get_platform
+
+OneLayout = Union[Placement, Sequence[Placement]]
+"""A style's layout on the 1-D tensor-parallel mesh: a placement, or a 1-tuple of one (as in PyTorch)."""
+Layouts = Union[Placement, Sequence[Optional[Placement]]]
+"""One layout per input or output (None: leave that one alone); a single placement means one."""
 
 
 def _one_layout(value, default, what):
@@ -39,7 +46,8 @@ def _is_tensor(x):
     return get_platform().is_tensor(x)
 
 
-def to_dtensor(x: Any, mesh: Any, input_layout: Any, desired_layout: Any, feature_size: Any = None) -> Any:
+def to_dtensor(x: Tensor, mesh: DeviceMesh, input_layout: Any, desired_layout: Optional[Placement],
+               feature_size: Optional[int] = None) -> Tensor:   # input_layout: a Placement (its .dim read)
     """``x`` (a local tensor laid out as ``input_layout``, or a DTensor) as a DTensor of
     ``desired_layout`` on ``mesh`` (differentiable).
 
@@ -64,8 +72,8 @@ def to_dtensor(x: Any, mesh: Any, input_layout: Any, desired_layout: Any, featur
     return dt
 
 
-def from_dtensor(x: Any, mesh: Any, output_layout: Any, use_local_output: Any,
-                 input_layout: Any = None) -> Any:
+def from_dtensor(x: Tensor, mesh: DeviceMesh, output_layout: Optional[Placement], use_local_output: bool,
+                 input_layout: Optional[Placement] = None) -> Tensor:
     """Move an output to ``output_layout``; plain tensor outputs are first taken as ``input_layout``
     (the layout the module produced); with ``use_local_output`` return the local shard."""
     if not _is_tensor(x):
@@ -79,7 +87,7 @@ def from_dtensor(x: Any, mesh: Any, output_layout: Any, use_local_output: Any,
     return x.to_local() if use_local_output else x
 
 
-def check_tp_mesh(device_mesh: Any, who: Any) -> None:
+def check_tp_mesh(device_mesh: DeviceMesh, who: str) -> None:
     """A ValueError unless ``device_mesh`` is 1-D, pointing at the slice to pass instead."""
     if device_mesh.ndim == 1:
         return
@@ -96,7 +104,8 @@ def _check_mesh(device_mesh, style):
     check_tp_mesh(device_mesh, type(style).__name__)
 
 
-def shard_parameters(module: Any, mesh: Any, placements: Any, src_data_rank: Any) -> None:
+def shard_parameters(module: Module, mesh: DeviceMesh, placements: Mapping[str, Placement],
+                     src_data_rank: Optional[int]) -> None:
     """Make ``module``'s own parameters named in ``placements`` (``{name: placement}``) DTensor
     parameters of that placement on ``mesh``; missing names (a Linear without bias) are skipped.
     Feature counts the mesh size does not divide give uneven ``torch.chunk`` shards."""
@@ -116,7 +125,7 @@ def shard_parameters(module: Any, mesh: Any, placements: Any, src_data_rank: Any
         platform.set_parameter(module, name, dt.requires_grad_(param.requires_grad))
 
 
-def replicate_parameters(module: Any, mesh: Any, src_data_rank: Any) -> None:
+def replicate_parameters(module: Module, mesh: DeviceMesh, src_data_rank: Optional[int]) -> None:
     """Every parameter of ``module`` and its submodules as a ``Replicate()`` DTensor."""
     platform = get_platform()
     for _, sub in platform.named_modules(module):
@@ -127,9 +136,9 @@ def replicate_parameters(module: Any, mesh: Any, src_data_rank: Any) -> None:
 class ParallelStyle:
     """Base class: ``apply(module, device_mesh)`` parallelizes ``module`` in place and returns it."""
 
-    src_data_rank = 0
+    src_data_rank: Optional[int] = 0
 
-    def apply(self, module: Any, device_mesh: Any) -> Any:
+    def apply(self, module: Module, device_mesh: DeviceMesh) -> Module:
         # a subclass written for PyTorch overrides _apply (its contract); ours override apply
         if type(self)._apply is not ParallelStyle._apply:
             return self._apply(module, device_mesh)
@@ -145,7 +154,7 @@ class ParallelStyle:
         return f"{type(self).__name__}({fields})"
 
 
-def map_outputs(output: Any, fn: Any) -> Any:
+def map_outputs(output: Any, fn: Callable[[Any], Any]) -> Any:
     if isinstance(output, tuple):
         return tuple(fn(o) for o in output)
     if isinstance(output, list):

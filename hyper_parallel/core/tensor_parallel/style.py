@@ -19,15 +19,17 @@ ranks one larger, trailing ranks possibly empty) and give the single-process res
 The styles mirror PyTorch's ``torch.distributed.tensor.parallel`` styles, so plans port as-is. The
 Prepare* styles live in ``prepare.py`` and are re-exported here.
 """
-from typing import Any
+from typing import Any, Optional
 from hyper_parallel.core.arguments import check_int
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
 from hyper_parallel.core.dtensor.rank_check import describing
-from hyper_parallel.core.tensor_parallel.base import (ParallelStyle, _check_mesh, _one_layout, check_tp_mesh,
-                                                      from_dtensor, map_outputs, replicate_parameters,
-                                                      shard_parameters, to_dtensor)
+from hyper_parallel.core.tensor_parallel.base import (OneLayout, ParallelStyle, _check_mesh, _one_layout,
+                                                      check_tp_mesh, from_dtensor, map_outputs,
+                                                      replicate_parameters, shard_parameters, to_dtensor)
 from hyper_parallel.core.tensor_parallel.prepare import (PrepareModuleInput, PrepareModuleInputOutput,
                                                          PrepareModuleOutput)
+from hyper_parallel.core.typing import Module
 from hyper_parallel.platform import get_platform
 
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
@@ -63,13 +65,14 @@ class ColwiseParallel(ParallelStyle):
     the output is ``Shard(-1)`` unless ``output_layouts`` says otherwise. Forward needs no
     communication; backward all-reduces the input gradient."""
 
-    def __init__(self, *, input_layouts: Any = None, output_layouts: Any = None,
+    def __init__(self, *, input_layouts: Optional[OneLayout] = None,
+                 output_layouts: Optional[OneLayout] = None,
                  use_local_output: bool = True) -> None:
         self.input_layouts = _one_layout(input_layouts, Replicate(), "ColwiseParallel input_layouts")
         self.output_layouts = _one_layout(output_layouts, Shard(-1), "ColwiseParallel output_layouts")
         self.use_local_output = use_local_output
 
-    def apply(self, module: Any, device_mesh: Any) -> Any:
+    def apply(self, module: Module, device_mesh: DeviceMesh) -> Module:
         _check_mesh(device_mesh, self)
         kind = _module_kind(module)
         if kind is None:
@@ -92,13 +95,14 @@ class RowwiseParallel(ParallelStyle):
     ``input_layouts`` defaults to ``Shard(-1)`` for a Linear (the output of a ColwiseParallel
     layer) and to ``Replicate()`` for an Embedding (token ids are replicated)."""
 
-    def __init__(self, *, input_layouts: Any = None, output_layouts: Any = None,
+    def __init__(self, *, input_layouts: Optional[OneLayout] = None,
+                 output_layouts: Optional[OneLayout] = None,
                  use_local_output: bool = True) -> None:
         self.input_layouts = _one_layout(input_layouts, None, "RowwiseParallel input_layouts")
         self.output_layouts = _one_layout(output_layouts, Replicate(), "RowwiseParallel output_layouts")
         self.use_local_output = use_local_output
 
-    def apply(self, module: Any, device_mesh: Any) -> Any:
+    def apply(self, module: Module, device_mesh: DeviceMesh) -> Module:
         _check_mesh(device_mesh, self)
         kind = _module_kind(module)
         if kind is None:
@@ -156,7 +160,7 @@ class SequenceParallel(ParallelStyle):
                                       fix="the int sequence dim of the activations (1)")
         self.use_local_output = use_local_output
 
-    def apply(self, module: Any, device_mesh: Any) -> Any:
+    def apply(self, module: Module, device_mesh: DeviceMesh) -> Module:
         _check_mesh(device_mesh, self)
         replicate_parameters(module, device_mesh, self.src_data_rank)
         platform = get_platform()
@@ -189,13 +193,14 @@ class NoParallel(ParallelStyle):
     replicated, and its output is moved to ``output_layout`` (default ``Replicate()``), as a local
     tensor with ``use_local_output=True``. Typical use: a small router or gate."""
 
-    def __init__(self, *, input_layout: Any = None, output_layout: Any = None,
+    def __init__(self, *, input_layout: Optional[OneLayout] = None,
+                 output_layout: Optional[OneLayout] = None,
                  use_local_output: bool = True) -> None:
         self.input_layout = _one_layout(input_layout, Replicate(), "NoParallel input_layout")
         self.output_layout = _one_layout(output_layout, Replicate(), "NoParallel output_layout")
         self.use_local_output = use_local_output
 
-    def apply(self, module: Any, device_mesh: Any) -> Any:
+    def apply(self, module: Module, device_mesh: DeviceMesh) -> Module:
         _check_mesh(device_mesh, self)
         replicate_parameters(module, device_mesh, self.src_data_rank)
         platform = get_platform()
