@@ -99,6 +99,23 @@ def _operator(dunder, func):
     return method
 
 
+_DATA_SET = torch.Tensor.data.__set__
+
+
+def _set_data(dtensor, value):
+    """``dtensor.data = value``, as ``Module.to(dtype)`` / ``.double()`` / ``.to_empty()`` assign each
+    converted parameter: torch's setter would change the wrapper's dtype and shape but keep the old
+    local shard, so the parameter would say float64 and compute in float32. The shard and the layout
+    are taken from ``value`` with the wrapper's metadata."""
+    if not isinstance(value, TorchDTensorBase):
+        raise ValueError(f"dtensor.data = {type(value).__name__}: a DTensor's data can only be another "
+                         f"DTensor (its shard and layout come with it); build one with distribute_tensor / "
+                         f"DTensor.from_local, or write into dtensor.to_local() in place")
+    with torch._C.DisableTorchFunctionSubclass():
+        _DATA_SET(dtensor, value)
+    dtensor._local_tensor, dtensor._spec = value._local_tensor, value._spec
+
+
 class TorchDTensorBase(torch.Tensor):
     """Subclassed by core's ``DTensor`` (core/dtensor/dtensor.py), which provides the hooks this class
     calls (``_hp_function``, ``_hp_aten``, ``_hp_fused``, ``_hp_describe``, ``_hp_checkpoint_box``,
@@ -202,6 +219,8 @@ class TorchDTensorBase(torch.Tensor):
                 result = cls._hp_function(name, func, args, kwargs)
             if result is not NotImplemented:
                 return result
+        if func == _DATA_SET:
+            return _set_data(*args)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
 
