@@ -3,7 +3,7 @@ import contextlib
 import os
 import warnings
 from hyper_parallel.core.dtensor.dispatch.tree import tree_flatten, tree_unflatten
-from hyper_parallel.core.dtensor.dtensor import DTensor, attach
+from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.platform import get_platform
 
@@ -60,6 +60,3 @@ def run_replicated(name, op, args, kwargs):
     is_tensor = get_platform().is_tensor
     wrapped = [DTensor.from_local(o, mesh, replicate) if is_tensor(o) else o for o in out_leaves]
     return tree_unflatten(wrapped, out_structure)
-
-
-attach("_hp_replicated", run_replicated)   # MindSpore's function-level fallback

@@ -30,7 +30,7 @@ from hyper_parallel.core.bounded_cache import BoundedCache
 from hyper_parallel.core.dtensor.dispatch import decision_cache
 from hyper_parallel.core.dtensor.dispatch.dispatcher import (_passthrough, dispatch_function, ensure_leaf_grad_layout,
                                                   input_grad_placements)
-from hyper_parallel.core.dtensor.dtensor import DTensor, GradPassThrough, attach
+from hyper_parallel.core.dtensor.dtensor import DTensor, GradPassThrough
 from hyper_parallel.core.dtensor.dispatch.fast_autograd import from_local, to_locals
 from hyper_parallel.core.dtensor.dispatch.interceptors import _stack, involved
 from hyper_parallel.platform import get_platform
@@ -280,6 +280,3 @@ decision_cache.ON_CLEAR.append(clear)
 
 
 __all__ = ["STATS", "clear", "dispatch", "intern"]
-
-
-attach("_hp_function", dispatch)   # every op on a DTensor enters here (dtensor.py)
