@@ -19,7 +19,7 @@ from hyper_parallel.core.context_parallel.overlap.pipeline import pipelinable, r
 from hyper_parallel.core.context_parallel.ring.ring_mode import run_ring
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.dtensor.ops.attention_roles import AttentionRoles, expecting, tracking
+from hyper_parallel.core.attention.roles import AttentionRoles, expecting, tracking
 from hyper_parallel.core.dtensor.placement_types import HeadTailShard, Replicate
 from hyper_parallel.platform import get_platform
 
@@ -280,7 +280,7 @@ def agreeing(mesh, call, site):
 
 
 def _promising(style, inputs, ulysses_dims, gather_dims, call):
-    """``call`` with the attention kernel told how this mode splits q (attention_roles.py)."""
+    """``call`` with the attention kernel told how this mode splits q (core/attention/roles.py)."""
     splits = tuple([(m, "heads") for m in ulysses_dims] + [(m, "seq") for m in gather_dims])
     roles = AttentionRoles(inputs.mesh, splits, inputs.shapes[0][inputs.seq], _label(style))
     # the sequence dim is also followed to the kernel, once per signature (attention_roles.tracking)

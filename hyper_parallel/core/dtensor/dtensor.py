@@ -182,7 +182,8 @@ class EntryPoints:
     def bind(self, **functions: Callable[..., Any]) -> None:
         """Set every field (all at once, so a missing one fails here rather than at first use)."""
         if set(functions) != set(self.__slots__):
-            raise ValueError(f"EntryPoints.bind needs exactly {sorted(self.__slots__)}, got {sorted(functions)}")
+            raise ValueError(f"EntryPoints.bind needs exactly {sorted(self.__slots__)}, "
+                             f"got {sorted(functions)}")
         for field, function in functions.items():
             setattr(self, field, function)
 
@@ -190,7 +191,7 @@ class EntryPoints:
 def _unbound(field: str) -> Callable[..., Any]:
     def unbound(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"DTensor's {field!r} entry point is used before hyper_parallel.core.dtensor "
-                           f"finished importing; import hyper_parallel (or hyper_parallel.core.dtensor) first")
+                           f"finished importing; import hyper_parallel.core.dtensor first")
     return unbound
 
 

@@ -37,7 +37,7 @@ from typing import Any, Hashable, Iterable, Iterator, Optional
 
 from hyper_parallel.core.bounded_cache import BoundedCache
 from hyper_parallel.core.dtensor.dispatch.interceptors import Interceptor, intercepting
-from hyper_parallel.core.dtensor.ops.npu_attention_args import LAYOUTS, NpuAttentionArgs
+from hyper_parallel.core.attention.npu_args import LAYOUTS, NpuAttentionArgs
 from hyper_parallel.core.dtensor.ops.view import _permutation, reshape_groups
 
 _ACTIVE: list = []

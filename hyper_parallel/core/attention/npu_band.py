@@ -21,7 +21,7 @@ In TND the same is done per packed sequence and ``actual_seq_qlen`` / ``actual_s
 rebuilt for the local rows; sequences that need different band parameters run as a few kernel
 calls whose outputs are concatenated along T.
 """
-from hyper_parallel.core.dtensor.ops.npu_attention_args import INT_MAX, as_int_list
+from hyper_parallel.core.attention.npu_args import INT_MAX, as_int_list
 from hyper_parallel.platform import get_platform
 
 
