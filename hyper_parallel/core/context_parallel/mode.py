@@ -10,7 +10,7 @@ from hyper_parallel.core.context_parallel.checks import (NAMES, agree_on_call, c
                                                          check_whole_sequence, normalise_dims,
                                                          suspect_whole_sequence)
 from hyper_parallel.core.context_parallel.movement import mode_dtensors
-from hyper_parallel.core.context_parallel.layouts import input_placements
+from hyper_parallel.core.context_parallel.movement.mode_moves import input_placements
 from hyper_parallel.core.context_parallel.load_balance import merge_head_tail, split_head_tail
 from hyper_parallel.core.context_parallel.masks.mask_mode import with_masks
 from hyper_parallel.core.context_parallel.masks.attention_masks import active_masks, check_masks
