@@ -1,14 +1,14 @@
 """Compiled against eager training steps of a TP Llama stack: ``python -m benchmarks.compile_step``.
 
 Spawns ``--nproc`` local CPU ranks (gloo) unless launched by torchrun. The same stack of Llama
-blocks (RMSNorm, causal attention, SwiGLU MLP; TP plan with sequence parallelism unless --no-sp)
-is parallelized twice; in one copy each block is compiled (``compile_module``: the block's DTensor
-dispatch and collectives in one graph, docs/compile.md). After a warm-up step (compilation, not
-timed; its time is reported apart) both train on the same batches, interleaved round by round:
-forward + backward + AdamW. It prints, per rank and as medians: step time eager, step time
-compiled, and eager / compiled (> 1: compiled is faster); and the largest loss difference of the
-two (they must agree to fp32 rounding). ``--json PATH`` writes the numbers. This machine is shared
-and noisy: only ratios measured within one run mean anything.
+blocks (RMSNorm, causal attention, SwiGLU MLP; TP plan with sequence parallelism unless --no-sp) is
+parallelized twice; in one copy each block is compiled (``compile_module``: the block's DTensor
+dispatch and collectives in one graph, docs/compile.md). After two warm-up steps (the first runs
+eagerly, the second compiles; not timed, their time is reported apart) both train on the same
+batches, interleaved round by round: forward + backward + AdamW. It prints, per rank and as medians:
+step time eager, step time compiled, and eager / compiled (> 1: compiled is faster); and the largest
+loss difference of the two (they must agree to fp32 rounding). ``--json PATH`` writes the numbers.
+This machine is shared and noisy: only ratios measured within one run mean anything.
 """
 import argparse
 import copy
@@ -117,9 +117,10 @@ def run_rank(args):
         opts[name].step()
         return float(loss)
     first = {}
-    for name in models:   # warm-up: compiles; the AdamW state exists afterwards
-        torch.distributed.barrier()
+    for name in models:   # warm-up: two steps (a block's first call of a signature runs eagerly, the
+        torch.distributed.barrier()   # second compiles: docs/compile.md); the AdamW state exists afterwards
         start = time.perf_counter()
+        step(name)
         first[name] = step(name)
         first[name + "_s"] = time.perf_counter() - start
     times, diff = {k: [] for k in models}, abs(first["eager"] - first["compiled"])
@@ -144,7 +145,7 @@ def run_rank(args):
 def _report(args, results):
     print(f"{args.nproc} TP ranks{'' if args.no_sp else ' + SP'}, {args.layers} Llama blocks, "
           f"dim {args.dim}, seq {args.seq}, batch {args.batch}, backend {args.backend}")
-    print(f"{'rank':<6}{'eager ms':>10}{'compiled ms':>13}{'eager/compiled':>16}{'first step s (e / c)':>24}")
+    print(f"{'rank':<6}{'eager ms':>10}{'compiled ms':>13}{'eager/compiled':>16}{'warm-up s (e / c)':>24}")
     for r in results:
         ms = r["step_ms"]
         print(f"{r['rank']:<6}{ms['eager']:>10.2f}{ms['compiled']:>13.2f}"

@@ -47,7 +47,7 @@ _EXPORTS = {
     "data_parallel": "hyper_parallel.core.data_parallel",
     "fully_shard": "hyper_parallel.core.fully_shard",
     "MixedPrecisionPolicy": "hyper_parallel.core.fully_shard",
-    "shard_sequence": "hyper_parallel.core.shard_sequence",
+    "shard_sequence": "hyper_parallel.core.data_parallel.shard_sequence",
     "chunked_cross_entropy": "hyper_parallel.core.long_sequence",
     "tiled_mlp": "hyper_parallel.core.long_sequence",
     "offload_activations": "hyper_parallel.core.long_sequence",

@@ -186,14 +186,15 @@ def test_direct_torch_compile_is_correct_with_breaks():
 # ============================================================================ context parallel
 CP_MODES = {"ulysses": {}, "allgather": {"ulysses_degree": 1},
             "load_balance": {"ulysses_degree": 1, "load_balance": True},
-            "ring": {"ulysses_degree": 1, "kv_exchange": "ring"}}
+            "ring": {"ulysses_degree": 1, "kv_exchange": "ring"},
+            "zigzag": {"ulysses_degree": 1, "kv_exchange": "ring", "load_balance": True}}
 # (graphs, graph breaks) of each compiled region, as docs/compile.md states: point-to-point
 # exchanges (ring, the head-tail exchange) have no functional form, so a region containing one
 # breaks there and dynamo runs it eagerly (correct, not compiled)
 CP_GRAPHS = {"ulysses": {"around": (1, 0), "inside": (1, 0)},
              "allgather": {"around": (1, 0), "inside": (1, 0)},
              "load_balance": {"around": (1, 0), "inside": (2, 1)},
-             "ring": {"inside": (2, 1)}}
+             "ring": {"inside": (2, 1)}, "zigzag": {"inside": (2, 1)}}
 HEADS, HEAD_DIM = 4, 8
 
 
@@ -258,7 +259,8 @@ def _cp_case(rank, world, modes):
         x = make_inputs(0)[0][0]
         _compare_steps(inside, eager[1], make_inputs, 2, f"{name}: compiled block with a CP attention")
         results[name] = {"inside": _explain(inside, x)}
-        if name == "ring":   # the ring follows q, k, v by identity: a compiled attention is refused
+        if mode.get("kv_exchange") == "ring":   # the ring follows q, k, v by identity: refused
+            around(x)   # a signature's first call runs eagerly; the compiled one is refused
             with pytest.raises(ValueError, match="never called F.scaled_dot_product_attention"):
                 around(x)
             continue
@@ -349,8 +351,8 @@ def test_fully_shard_and_data_parallel_with_compiled_blocks():
 @pytest.mark.timeout(900)      # four spawned ranks compiling two layers each: minutes on a loaded machine
 def test_example_compile_matches_one_process():
     """examples/train_llama_hf.py --compile under fully_shard x TP: every step's loss equals one
-    process (--check). The example's mesh has a cp dim, so its layers get MaskSpec masks and run
-    eagerly for now (docs/compile.md, Known limits): this checks the wiring, not compiled code."""
+    process (--check). The example's mesh has a cp dim: its layers receive MaskSpec masks, which
+    carry the forward's masks into the compiled graph (docs/compile.md)."""
     pytest.importorskip("transformers")
     from tests.test_fully_shard_examples import TINY, _assert_checked, _run
     _assert_checked(_run("train_llama_hf.py", "--cp", "1", "--tp", "2", "--dp-shard", "2", "--compile",
@@ -381,13 +383,17 @@ def _expert_case(rank, world):
         torch.testing.assert_close(_mean_over_ranks(out.loss, mesh.get_group(0)), ref_out.loss.detach(),
                                    atol=1e-5, rtol=1e-5)
         _check_step(model, ref, opt, ref_opt, f"compiled mixtral ep={world}", out, ref_out)
-    # the routing reads its counts on the host: expert-parallel layers are left eager
-    return [compiled_of(layer) is None for layer in decoder_layers(model)]
+    # the routing reads its counts on the host: a layer with expert-parallel MoE is compiled around
+    # it (its attention one graph, traced at the second step), the MoE block eager
+    return [(compiled_of(layer) is None,
+             any(state["traced"] for *_, state in compiled_of(layer.self_attn).compiled.values()),
+             compiled_of(layer.mlp) is None) for layer in decoder_layers(model)]
 
 
 @pytest.mark.compile_full
 def test_expert_parallel_compiled_layers():
-    """Expert-parallel Mixtral with compile=...: equal to one process; its layers run eagerly
-    (documented: the dispatch reads routing counts on the host)."""
+    """Expert-parallel Mixtral with compile=...: equal to one process; in each layer the attention
+    is compiled and the MoE block runs eagerly (documented: the dispatch reads routing counts on
+    the host)."""
     pytest.importorskip("transformers")
-    assert run_dist(2, _expert_case, timeout=900) == [[True, True], [True, True]]
+    assert run_dist(2, _expert_case, timeout=900) == [[(True, True, True)] * 2] * 2

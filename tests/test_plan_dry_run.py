@@ -16,6 +16,9 @@ CASES_2 = [
     ((1, 2), ("dp_shard", "cp"), "allgather", ("chunked_loss",), "qwen3"),
     ((1, 2), ("dp_shard", "cp"), "ring", (), "llama"),
     ((2,), ("dp_shard",), None, ("chunked_loss",), "llama"),
+    # fp32 master weights, bf16 gathered parameters and compute, gradients reduced in fp32
+    ((1, 2), ("dp_shard", "cp"), "zigzag", ("chunked_loss",), "llama",
+     {"param_dtype": "bfloat16", "reduce_dtype": "float32"}),
 ]
 CASES_4 = [
     ((2, 2), ("dp_shard", "cp"), "zigzag", ("chunked_loss",), "llama"),
@@ -46,10 +49,10 @@ def _real_cases(rank, world_size, cases):
     import torch
     from hyper_parallel.plan.dry_run import real_run
     out = []
-    for shape, names, mode, features, family in cases:
+    for shape, names, mode, features, family, *options in cases:
         torch.manual_seed(0)
         report = real_run(functools.partial(tiny_model, family), shape, names, seq_len=SEQ, batch=BATCH,
-                          cp_mode=mode, features=features)
+                          cp_mode=mode, features=features, **(options[0] if options else {}))
         out.append(_summary(report))
     return out
 
@@ -58,10 +61,11 @@ def _check(world_size, cases):
     import functools
     from hyper_parallel.plan import dry_run
     real = run_dist(world_size, _real_cases, cases, timeout=300)
-    for i, (shape, names, mode, features, family) in enumerate(cases):
+    for i, (shape, names, mode, features, family, *options) in enumerate(cases):
         for rank in range(world_size):
             fake = _summary(dry_run(functools.partial(tiny_model, family), shape, names, rank=rank,
-                                    seq_len=SEQ, batch=BATCH, cp_mode=mode, features=features))
+                                    seq_len=SEQ, batch=BATCH, cp_mode=mode, features=features,
+                                    **(options[0] if options else {})))
             want = real[rank][i]
             where = f"{names}={shape} {mode} {features} rank {rank}"
             assert fake[0] == want[0], f"{where}: collectives differ\nfake {fake[0]}\nreal {want[0]}"
@@ -70,7 +74,12 @@ def _check(world_size, cases):
 
 
 def test_dry_run_equals_real_run_2_ranks():
-    _check(2, CASES_2)
+    _check(2, CASES_2[:-1])
+
+
+def test_dry_run_mixed_precision_equals_real_run():
+    """fully_shard's MixedPrecisionPolicy (the dry run's param_dtype= / reduce_dtype=) on gloo."""
+    _check(2, CASES_2[-1:])
 
 
 def test_dry_run_equals_real_run_4_ranks():

@@ -119,6 +119,22 @@ def test_builtin_models_build():
         sizes[name] = (text.hidden_size, text.num_hidden_layers)
     assert sizes["llama3.1-8b"] == (4096, 32) and sizes["llama3.1-70b"] == (8192, 80)
     assert sizes["llama3.1-405b"] == (16384, 126) and sizes["deepseek-v3"] == (7168, 61)
+    assert sizes["mixtral-8x7b"] == (4096, 32) and sizes["qwen3-30b-a3b"] == (2048, 48)
+    assert sizes["qwen3-235b-a22b"] == (4096, 94) and sizes["mixtral-8x22b"] == (6144, 56)
+    kimi = load_config("kimi-linear-48b")[0]
+    # published full_attn_layers [4, 8, 12, 16, 20, 24, 27] (1-based)
+    full = [i + 1 for i, t in enumerate(kimi.layer_types) if t == "full_attention"]
+    assert full == [4, 8, 12, 16, 20, 24, 27]
+    assert load_config("llama3-8b")[0].to_dict() == load_config("llama3.1-8b")[0].to_dict()
+
+
+def test_fit_is_the_usable_fraction():
+    """'Does not fit' is exactly peak > USABLE_FRACTION x the device's memory (an H100: 81559 MiB)."""
+    from hyper_parallel.plan.roofline import DEVICES, USABLE_FRACTION, fits
+    h100 = DEVICES["h100"]["memory"]
+    assert h100 == 81559 * 2 ** 20 and 0.85 <= USABLE_FRACTION < 1
+    assert fits(USABLE_FRACTION * h100, h100) and not fits(USABLE_FRACTION * h100 + 1, h100)
+    assert fits(10 ** 15, None)
 
 
 def test_mindspore_is_refused():

@@ -8,32 +8,36 @@ content digest). Each rank encodes them into a vector of FIXED length whatever t
     [crc32(feature), crc32(sorted names), count, crc32(value of name 0), ..., crc32(rest)]
 
 (names sorted; more than ``MAX_FIELDS`` settings fold the rest into the last field). The vector
-and its negation are min-reduced over the mesh (``rank_check.mesh_min_max``: one small all-reduce
-per mesh dim), so every rank learns which fields differ and all ranks raise the same ValueError,
-naming the feature, the setting(s) that differ, this rank's value and the fix. A fixed length
-matters: a message whose size depended on the settings would itself abort gloo.
+and its negation are min-reduced over the mesh (one small all-reduce per mesh dim, on the platform's
+``agreement_group`` companion of each mesh group), so every rank learns which fields differ and
+all ranks raise the same ValueError, naming the feature, the setting(s) that differ, this rank's
+value and the fix. A fixed length matters: a message whose size depended on the settings would
+itself abort gloo.
 
 When the exchange runs (the schedule). Every rank decides locally, without communicating, and a
-rank that enters the exchange while a peer does not would wait for it (or, worse, meet the peer's
-next data collective). The decision key is therefore ``(feature, mesh, signature, the encoded
-eager settings)``: the check runs at the first call with a key and again whenever the key
-changes (a new shape, another ``is_causal``, ...), and never for a key that passed before.
-In a correct program every rank computes the same key, so every rank takes the same decision:
-all enter the exchange together, or none does; a repeated call adds no collective and no host
-sync. Ranks that disagree from a call on (the usual case: a setting, a mask or a shape differs
-per rank) all have a new key at that call, so they all check and all raise. ``Deferred`` values
-(a content digest of a mask, of labels) are left out of the key: they change every step, so
-they are computed and compared only when a check runs anyway (``every_only=True``: only under
-``HP_CHECK_RANKS=every``).
+rank that enters the exchange while a peer does not would wait for it. The decision key is
+``(feature, mesh, signature, the encoded eager settings)`` and the call site is ``(feature, mesh,
+signature)``: the check runs at the first call of a site, and whenever a site's key is not the one
+that followed its previous call's key the last time (a new shape, another ``is_causal``, back to a
+key verified long ago); never for a call that continues its site's sequence as before (the same
+key again, or a site alternating between causal and non-causal layers). In a correct program
+every rank computes the same sequence of keys at each site, so every rank takes the same decision:
+all enter the exchange together, or none does; a repeated call adds no collective and no host sync.
+Ranks that disagree from a call on all have a changed key there, so they all check and all raise.
+``Deferred`` values (a content digest of a mask, of labels) are left out of the key: they change
+every step, so they are computed and compared only when a check runs anyway (``every_only=True``:
+only under ``HP_CHECK_RANKS=every``).
 
-What the schedule gives up: a rank whose settings change ALONE to a key it has not verified,
-after all ranks verified a common key, enters the exchange alone. Its peers carry on into their
-next collective; the ranks meet on mismatched collectives, which the mesh's ``timeout=``
-(``init_device_mesh(..., timeout=)``) bounds, or gloo aborts on the size mismatch. The symmetric
-case (a rank falling back to a key it verified earlier while a peer moves to a new one) is the
-same. Catching those would take a message on every call; ``HP_CHECK_RANKS=every`` does exactly
-that (every call exchanges, so the first such call raises a ValueError on every rank). The
-environment variable must be set alike on every rank.
+A rank whose settings change ALONE (its peers continue as before) is the one rank whose site
+sees a change, so it enters the exchange alone. The exchange runs on the platform's
+``agreement_group``, a companion of each mesh group created beside it (torch): the lone rank waits
+there, never inside its peers' data collectives (which would abort gloo on a size mismatch, or
+combine unrelated buffers), until the mesh's ``timeout=`` (``init_device_mesh(..., timeout=)``)
+expires; it then raises a ValueError naming the feature and the settings it changed, and its peers'
+next collective times out the same way (a CollectiveTimeoutError naming the group). Frameworks
+without a companion group (MindSpore) exchange on the mesh group itself. ``HP_CHECK_RANKS=every``
+(set alike on every rank) exchanges on every call, so the first differing call raises a
+ValueError on every rank, including for ``Deferred`` digests.
 
 Caches live in ``BoundedCache`` (emptied at ``reset_platform``); callers build signatures from
 ``lifetime_key`` (never ``id()``), so a verified decision never outlives its object.
@@ -47,7 +51,7 @@ import numpy as np
 
 from hyper_parallel.core.bounded_cache import BoundedCache
 from hyper_parallel.core.dtensor.rank_check import CHECK_RANKS_ENV as CHECK_ENV
-from hyper_parallel.core.dtensor.rank_check import check_every, dtype_name, mesh_min_max
+from hyper_parallel.core.dtensor.rank_check import check_every, dtype_name
 from hyper_parallel.platform import get_platform
 
 MAX_FIELDS = 24
@@ -164,7 +168,12 @@ def _key_fields(settings: Mapping) -> tuple:
 
 
 # ---------------------------------------------------------------------- the exchange
-_VERIFIED = BoundedCache(4096)
+# a call site -> the key fields of its previous call; (site, previous fields) -> the fields that
+# followed them the last time a check passed (so a site alternating between two keys, say causal
+# and non-causal layers sharing a style, does not check at every call)
+_LAST = BoundedCache(4096)
+_NEXT = BoundedCache(4096)
+_RAISED = object()   # the previous call raised (or never finished its check): check the next one
 
 
 def _group_key(mesh_or_group: Any) -> Hashable:
@@ -179,14 +188,21 @@ def _peers(mesh_or_group: Any) -> int:
     return get_platform().get_world_size(mesh_or_group)
 
 
-def _min_max(mesh_or_group: Any, vector: list) -> tuple:
-    if hasattr(mesh_or_group, "get_group"):
-        device = mesh_or_group.device_type
-        device = None if device in (None, "cpu", "meta") else device
-        return mesh_min_max(mesh_or_group, vector, device)
+def _groups(mesh_or_group: Any) -> list:
+    """The groups the exchange runs on: one per mesh dim (their agreement companions)."""
     platform = get_platform()
-    both = platform.tensor([int(v) for v in vector] + [-int(v) for v in vector])
-    both = platform.all_reduce(both, mesh_or_group, "min", tag="shape_check")
+    if hasattr(mesh_or_group, "get_group"):
+        return [platform.agreement_group(mesh_or_group.get_group(m)) for m in range(mesh_or_group.ndim)]
+    return [platform.agreement_group(mesh_or_group)]
+
+
+def _min_max(mesh_or_group: Any, vector: list) -> tuple:
+    platform = get_platform()
+    device = getattr(mesh_or_group, "device_type", None)
+    device = None if device in (None, "cpu", "meta") else device
+    both = platform.tensor([int(v) for v in vector] + [-int(v) for v in vector], device=device)
+    for group in _groups(mesh_or_group):
+        both = platform.all_reduce(both, group, "min", tag="shape_check")
     if platform.is_fake(both):   # a dry run (hyper_parallel.plan): one rank on fake tensors, agreed
         return [int(v) for v in vector], [int(v) for v in vector]
     both = [int(v) for v in both.tolist()]
@@ -199,31 +215,61 @@ def check_agreement(mesh_or_group: Any, feature: str, settings: Mapping[str, obj
                     once: bool = True) -> None:
     """ValueError on every rank of ``mesh_or_group`` (a DeviceMesh or a process group) unless
     every rank passes the same ``settings`` for ``feature``. Exchanges one small fixed-length
-    message at the first call of each (feature, mesh, signature, eager settings) key, and on
-    every call under ``HP_CHECK_RANKS=every`` (schedule and its limits: module docstring).
-    ``signature``: what else distinguishes the call site (e.g. ``lifetime_key(style)``, shapes);
-    ``fix``: the sentence telling the user what to do, appended to the error. ``once=False``: on
-    every call (setup-time checks, run once per wrapped module: a key verified for another module
-    must not let ranks that now disagree pass)."""
+    message at the first call of each (feature, mesh, signature) site, whenever the site's key
+    departs from the sequence it followed before, and on every call under
+    ``HP_CHECK_RANKS=every`` (schedule and its limits: module docstring). ``signature``: what else
+    distinguishes the call site (e.g. ``lifetime_key(style)``, shapes); ``fix``: the sentence
+    telling the user what to do, appended to the error. ``once=False``: on every call (setup-time
+    checks, run once per wrapped module: a key verified for another module must not let ranks
+    that now disagree pass)."""
     if _peers(mesh_or_group) <= 1:
         return
     every = check_every()
-    key = (feature, _group_key(mesh_or_group), signature, _key_fields(settings))
-    if once and not every and key in _VERIFIED:
-        return
+    site = (feature, _group_key(mesh_or_group), signature)
+    fields = _key_fields(settings)
+    previous = _LAST.get(site)
+    if once and not every and previous is not _RAISED and _NEXT.get((site, previous)) == fields:
+        _LAST[site] = fields
+        return   # the hot path: this site follows its previous key with the key it followed it with before
     vector, names, shown = _encode(feature, settings, every)
-    mins, maxs = _min_max(mesh_or_group, vector)
-    if mins == maxs:
-        _VERIFIED.add(key)   # only once every rank passed: a call that raised is checked again
-        return
-    raise ValueError(_message(mesh_or_group, feature, names, shown, mins, maxs, fix))
+    _LAST[site] = _RAISED   # until every rank passes: a call that raised makes the next call check
+    try:
+        mins, maxs = _min_max(mesh_or_group, vector)
+    except (RuntimeError, TimeoutError) as exc:   # the peers never came: this rank changed alone
+        raise ValueError(_alone(mesh_or_group, feature, previous, fields, shown, names, fix, exc)) from exc
+    if mins != maxs:
+        raise ValueError(_message(mesh_or_group, feature, names, shown, mins, maxs, fix))
+    if previous is not _RAISED:
+        _NEXT[(site, previous)] = fields
+    if (site, fields) not in _NEXT:   # until seen otherwise, a key is expected to repeat
+        _NEXT[(site, fields)] = fields
+    _LAST[site] = fields
+
+
+def _alone(mesh_or_group: Any, feature: str, previous: Optional[tuple], fields: tuple, shown: list,
+           names: list, fix: Optional[str], exc: BaseException) -> str:
+    """The error of a rank whose exchange its peers never joined."""
+    before = dict(previous) if isinstance(previous, tuple) else {}
+    changed = [f"{n} (rank {get_platform().get_rank()} now has {_show(shown[names.index(n)])})"
+               for n, crc in fields if n in before and before[n] != crc and n in names]
+    what = (f"this rank's {', '.join(changed)} changed since its previous call here, so it checked "
+            f"again" if changed else "this rank reached a check")
+    return (f"{feature}: the agreement check on {_where(mesh_or_group)} was not joined by the other ranks "
+            f"within the timeout: {what}, while they continued as before and went on. Every rank "
+            f"must pass the same settings, and change them together ({CHECK_ENV}=every checks every call). "
+            f"Fix: {fix or 'pass the same value on every rank'}. ({type(exc).__name__}: "
+            f"{_show(str(exc).splitlines()[0] if str(exc) else '')})")
+
+
+def _where(mesh_or_group: Any) -> str:
+    return str(mesh_or_group) if hasattr(mesh_or_group, "get_group") else \
+        f"process group {tuple(get_platform().group_ranks(mesh_or_group))}"
 
 
 def _message(mesh_or_group: Any, feature: str, names: list, shown: list, mins: list, maxs: list,
              fix: Optional[str]) -> str:
     rank = get_platform().get_rank()
-    where = mesh_or_group if hasattr(mesh_or_group, "get_group") else \
-        f"process group {tuple(get_platform().group_ranks(mesh_or_group))}"
+    where = _where(mesh_or_group)
     fix = fix or "pass the same value on every rank"
     if mins[0] != maxs[0]:
         return (f"{feature}: the ranks of {where} reached different checks (rank {rank} checks {feature}): "

@@ -10,11 +10,11 @@ collectives (the ring's K/V exchange) and before the output moves back. Every co
 that point depends only on q/k/v's shapes, which the ranks have already agreed on, so the ranks
 reach this check in step.
 
-Outside a ContextParallel call it does nothing (``attention_call`` marks the call). The schedule
-is core/agreement.py's: the first call of each combination of settings, every call under
-``HP_CHECK_RANKS=every`` -- as far as the kernel is reached: a decision the dispatcher cached for
-the sdpa rule is reused without the rule, so an sdpa call repeated with the same settings is not
-re-checked even in that mode (its settings were compared when the decision was made).
+Outside a ContextParallel call (or MLA's attend path) it does nothing (``attention_call`` marks
+the call). The schedule is core/agreement.py's: the first call of a site, a call whose settings
+depart from the site's sequence, every call under ``HP_CHECK_RANKS=every``. A decision the
+dispatcher cached for the sdpa rule is reused without the rule; the dispatcher then calls
+``agree_on_repeated_attention``, so the site sees those calls too.
 """
 import contextlib
 import contextvars
@@ -66,11 +66,10 @@ def agree_on_attention(call: Any) -> None:
 
 def agree_on_repeated_attention(call: Any) -> None:
     """A call whose sharding decision was cached skips the rule, and with it ``agree_on_attention``:
-    under ``HP_CHECK_RANKS=every`` the dispatcher calls this instead, so every call is compared."""
+    the dispatcher calls this instead, so the call site still sees every call's settings (a rank
+    going back alone to settings it used before checks again; a repeat costs no collective)."""
     if call.name == "sdpa" and _CALL.get() is not None:
-        from hyper_parallel.core.agreement import check_every
-        if check_every():
-            _check(_sdpa_settings(call))
+        _check(_sdpa_settings(call))
 
 
 def agree_on_variant(is_causal: object, scale: object, softcap: object, window: object,

@@ -6,6 +6,7 @@ so the error names the entry point, the argument, its value and the fix. ``bool`
 for an int (``True`` is 1 to Python, never what the caller meant); NaN and ±inf are never taken
 for a float. Each check returns the value as a Python ``int`` / ``float``.
 """
+from typing import Any
 import math
 import numbers
 
@@ -17,7 +18,8 @@ def _fail(who, name, value, problem, fix):
     raise ValueError(f"{who}({name}={value!r}): {problem}{advice}")
 
 
-def check_int(who: str, name: str, value, *, minimum=None, maximum=None, fix: str = "") -> int:
+def check_int(who: str, name: str, value: Any, *, minimum: Any = None, maximum: Any = None,
+              fix: str = "") -> int:
     """``value`` as an int; ValueError naming ``who(name=value)`` unless it is an integer (not a bool)
     in [minimum, maximum]."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -30,8 +32,8 @@ def check_int(who: str, name: str, value, *, minimum=None, maximum=None, fix: st
     return value
 
 
-def check_float(who: str, name: str, value, *, positive: bool = False, minimum=None, maximum=None,
-                fix: str = "") -> float:
+def check_float(who: str, name: str, value: Any, *, positive: bool = False, minimum: Any = None,
+                maximum: Any = None, fix: str = "") -> float:
     """``value`` as a finite float; ValueError naming ``who(name=value)`` unless it is a real number (not
     a bool), not NaN or ±inf, > 0 when ``positive``, and in [minimum, maximum]."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -48,18 +50,19 @@ def check_float(who: str, name: str, value, *, positive: bool = False, minimum=N
     return value
 
 
-def check_optional_int(who: str, name: str, value, **limits):
+def check_optional_int(who: str, name: str, value: Any, **limits: Any) -> Any:
     """None, or ``check_int``."""
     return None if value is None else check_int(who, name, value, **limits)
 
 
-def check_optional_float(who: str, name: str, value, **limits):
+def check_optional_float(who: str, name: str, value: Any, **limits: Any) -> Any:
     """None, or ``check_float``."""
     return None if value is None else check_float(who, name, value, **limits)
 
 
 # ------------------------------------------------------------------ entry points with several numbers
-def check_context_parallel(seq_dim, head_dim, ulysses_degree, chunks, memory_budget, qkv_indices=()) -> None:
+def check_context_parallel(seq_dim: Any, head_dim: Any, ulysses_degree: Any, chunks: Any, memory_budget: Any,
+                           qkv_indices: Any = ()) -> None:
     """ContextParallel / AsyncContextParallel's numeric arguments."""
     who = "ContextParallel"
     for i, index in enumerate(qkv_indices):
@@ -74,7 +77,7 @@ def check_context_parallel(seq_dim, head_dim, ulysses_degree, chunks, memory_bud
                          fix="a positive number of bytes per rank, or None")
 
 
-def check_delta_rule_numbers(chunk_size, scale) -> None:
+def check_delta_rule_numbers(chunk_size: Any, scale: Any) -> None:
     """The linear-attention delta rule's chunk size and scale (plain and under context parallelism)."""
     check_int("delta_rule", "chunk_size", chunk_size, minimum=1, fix="tokens per chunk of the rule (64)")
     check_optional_float("delta_rule", "scale", scale, fix="a finite scale, or None (1/sqrt(d_k))")

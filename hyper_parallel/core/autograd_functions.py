@@ -5,13 +5,14 @@ autograd function (``make_autograd_function``). A core module is imported before
 be chosen, and tests switch platforms, so the function is built on its first call for the current
 platform and rebuilt when the platform changes (after ``reset_platform()``).
 """
+from typing import Any
 from hyper_parallel.platform import get_platform
 
 
 class LazyAutogradFunction:
     __slots__ = ("name", "forward", "backward", "_built")
 
-    def __init__(self, name, forward, backward):
+    def __init__(self, name: str, forward: Any, backward: Any) -> None:
         self.name, self.forward, self.backward = name, forward, backward
         self._built = None   # (platform, its function)
 
@@ -24,7 +25,7 @@ class LazyAutogradFunction:
         return built[1](*args)
 
 
-def lazy_autograd_function(name, forward, backward):
+def lazy_autograd_function(name: str, forward: Any, backward: Any) -> Any:
     """``forward(ctx, *args)`` / ``backward(ctx, *grads)`` as a callable autograd function of the
     current platform (built on first call)."""
     return LazyAutogradFunction(name, forward, backward)

@@ -5,18 +5,19 @@ signatures, so these caches stay small; one that reaches its limit is fed keys t
 (shapes changing every step) and simply starts over. Every cache empties at ``reset_platform()``
 (its values may hold objects of the old platform) and with ``clear_all()``.
 """
+from typing import Any
 import itertools
 import weakref
 
 from hyper_parallel.platform import on_reset
 
-_ALL = []   # weak references to every cache
+_ALL: list[Any] = []   # weak references to every cache
 
 
 class BoundedCache(dict):
     """A dict of at most ``limit`` entries: adding one more empties it first."""
 
-    def __init__(self, limit=4096):
+    def __init__(self, limit: int = 4096) -> None:
         super().__init__()
         self.limit = limit
         _ALL.append(weakref.ref(self))
@@ -26,12 +27,12 @@ class BoundedCache(dict):
             self.clear()
         super().__setitem__(key, value)
 
-    def add(self, key):
+    def add(self, key: Any) -> None:
         """Set semantics for caches that only remember keys (``key in cache``)."""
         self[key] = True
 
 
-def clear_all():
+def clear_all() -> None:
     _ALL[:] = [ref for ref in _ALL if ref() is not None]
     for ref in _ALL:
         cache = ref()
@@ -45,7 +46,7 @@ on_reset(clear_all)
 _SERIALS = itertools.count()
 
 
-def lifetime_key(obj):
+def lifetime_key(obj: Any) -> Any:
     """A cache key for ``obj`` that no other object of this process ever gets. ``id(obj)`` is not
     one: once ``obj`` dies, a new object may take its address, and a decision cached for the dead
     one (a cross-rank check already passed, an output layout learnt) would apply to the new one —

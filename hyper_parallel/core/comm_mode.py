@@ -4,16 +4,17 @@ Bytes are what one rank sends with a bandwidth-optimal algorithm: all-gather (n-
 all-to-all and reduce-scatter (n-1)/n·input, all-reduce 2(n-1)/n·input, point-to-point the
 tensors sent, broadcast the tensor (source only).
 """
+from typing import Any
 from collections import Counter
 
 from hyper_parallel.platform import get_platform
 
 
 class CommDebugMode:
-    def __init__(self):
-        self.counts = Counter()
-        self.bytes = Counter()
-        self.log = []
+    def __init__(self) -> None:
+        self.counts: Any = Counter()
+        self.bytes: Any = Counter()
+        self.log: list[Any] = []
 
     def _observe(self, op, nbytes, ranks):
         self.counts[op] += 1
@@ -31,18 +32,18 @@ class CommDebugMode:
         get_platform().remove_comm_observer(self._observe)
         return False
 
-    def get_total_counts(self):
+    def get_total_counts(self) -> Any:
         return sum(self.counts.values())
 
-    def get_comm_counts(self):
+    def get_comm_counts(self) -> Any:
         return dict(self.counts)
 
-    def get_total_bytes(self):
+    def get_total_bytes(self) -> Any:
         return sum(self.bytes.values())
 
-    def get_comm_bytes(self):
+    def get_comm_bytes(self) -> Any:
         return dict(self.bytes)
 
-    def summary(self):
+    def summary(self) -> Any:
         lines = [f"{op:16s} x{self.counts[op]:<4d} {self.bytes[op]:>14,d} B" for op in sorted(self.counts)]
         return "\n".join(lines) or "no collectives"

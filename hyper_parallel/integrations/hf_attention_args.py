@@ -8,6 +8,7 @@ does not know computes a different attention without a word, so every keyword is
 here, known to carry no attention semantics, or a ValueError naming it. A keyword whose value is
 ``None`` / ``False`` asks for nothing and passes.
 """
+from typing import Any
 
 # used by the CP attention function itself (hf_context_parallel.CPAttention); softcap and the sinks
 # (gpt-oss's s_aux) go to hyper_parallel.attention through ``attention_variant``
@@ -34,7 +35,7 @@ def _asks_nothing(value):
     return value is None or value is False
 
 
-def check_attention_kwargs(module, kwargs):
+def check_attention_kwargs(module: Any, kwargs: Any) -> None:
     """ValueError for the first keyword that changes the attention and is not implemented."""
     for name, value in kwargs.items():
         if name in HANDLED or name in PLUMBING or _asks_nothing(value):
@@ -47,7 +48,7 @@ def check_attention_kwargs(module, kwargs):
                          f"without it")
 
 
-def attention_variant(module, kwargs, total):
+def attention_variant(module: Any, kwargs: Any, total: Any) -> Any:
     """(softcap, sinks, window) for ``hyper_parallel.attention`` from the keywords HF passes: Gemma 2's
     ``softcap``, gpt-oss's ``s_aux`` (or ``sinks``) per-head logits, and ``sliding_window`` = w (query
     i sees keys i - w < j <= i, transformers' sliding_window_causal mask). A window at least as long

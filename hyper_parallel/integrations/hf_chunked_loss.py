@@ -13,6 +13,7 @@ label of a block's last token is on the next rank. There the forward takes only 
 share of the global mean — summing the ranks' losses gives the single-device loss, as in
 transformers' own loss.
 """
+from typing import Any
 import inspect
 
 import torch.nn.functional as F
@@ -27,7 +28,7 @@ _LOSS_KEYWORDS = ("labels", "shift_labels", "num_items_in_batch", "ignore_index"
                   "return_dict")
 
 
-def check_loss_option(loss):
+def check_loss_option(loss: Any) -> None:
     if loss not in LOSS_OPTIONS:
         raise ValueError(f"parallelize_model(loss={loss!r}): pass loss='chunked' (the loss in sequence "
                          f"tiles, no logits) or None (the model's own loss)")
@@ -58,7 +59,7 @@ def _check_config(model):
                              f"(config.{attr}={getattr(config, attr)!r}); use loss=None")
 
 
-def probe_logits(model):
+def probe_logits(model: Any) -> None:
     """Refuse a model whose logits are not ``last hidden state @ lm_head.weight.T``: run it once on a
     short sequence (one process, before any parallelism) and compare. Measures what a list of config
     names would miss: Falcon-H1's lm_head multiplier, Gemma 2's final soft-capping, Cohere's
@@ -93,7 +94,7 @@ def probe_logits(model):
                          f"transforms them on the way, which the chunked loss would drop; use loss=None")
 
 
-def apply_chunked_loss(model, context_parallel, chunk_size=DEFAULT_CHUNK):
+def apply_chunked_loss(model: Any, context_parallel: Any, chunk_size: Any = DEFAULT_CHUNK) -> Any:
     """Route ``model``'s forward through the chunked loss when it is given labels."""
     head, decoder = _check_model(model)
 
@@ -121,7 +122,8 @@ def _shifted_labels(arguments, context_parallel, ignore_index):
         raise ValueError("under context parallelism the model cannot shift labels= itself (the next token "
                          "of a rank's last token is on the next rank); shift on the whole sequence, "
                          "shard_sequence the result and pass it as shift_labels= (with num_items_in_batch= "
-                         "the global count of labels != -100, so the ranks' losses add up to the global mean)")
+                         "the global count of labels != -100, so the ranks' losses add up to the global "
+                         "mean)")
     # the model's own shift: token t predicts label t + 1, the last token nothing
     return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
 

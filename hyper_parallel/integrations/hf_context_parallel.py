@@ -43,6 +43,7 @@ from hyper_parallel.core.context_parallel import attention as hp_attention
 from hyper_parallel.integrations import hf_mask_probe, hf_positions
 from hyper_parallel.integrations.hf_attention_args import attention_variant, check_attention_kwargs
 from hyper_parallel.integrations.hf_overlap import pipeline_attention_blocks
+from hyper_parallel.integrations.hf_probe_state import kept_state
 from hyper_parallel.integrations.hf_sequence_audit import refuse_sequence_mixing
 from hyper_parallel.platform import get_platform
 
@@ -80,7 +81,8 @@ class CPAttention:
     def __init__(self, model, cp_mesh, cp_kwargs):
         self.config = model.config
         self.mesh = cp_mesh
-        self.style = ContextParallel(seq_dim=2, head_dim=1, **cp_kwargs)   # style.last_choice under mode='auto'
+        # style.last_choice under mode='auto'
+        self.style = ContextParallel(seq_dim=2, head_dim=1, **cp_kwargs)
         self.core = self.style.apply(_CoreAttention(), cp_mesh)
         self.masks, self.in_forward = None, False
         self.model = weakref.ref(model)
@@ -105,7 +107,9 @@ class CPAttention:
             self.learn_mask(module, attention_mask)
             check_attention_kwargs(module, kwargs)
             return _token_local_attention(query, key, value), None
-        masks = self.masks_for(kwargs)
+        carried = attention_mask.forward_masks if isinstance(attention_mask, hf_mask_probe.MaskSpec) else None
+        # the masks the spec carries (a compiled layer's graph inputs), else found by position_ids
+        masks = (carried or None) if carried is not None else self.masks_for(kwargs)
         chunk = self.restriction(module, attention_mask).chunk
         if chunk is not None:   # chunked attention: chunks of the global token index are documents
             masks = hf_mask_probe.with_chunks(masks, chunk, query.shape[0], query.shape[2] * self.mesh.size())
@@ -156,6 +160,10 @@ class CPAttention:
             known = self.restrictions[module]
         return known
 
+    def forward_masks(self) -> "dict | None":
+        """This forward's global masks for the MaskSpecs the model builds ({}: none; None: no forward)."""
+        return dict(self.masks or {}) if self.in_forward else None
+
     def masks_for(self, kwargs):
         """The masks of the forward this attention call belongs to (see the class docstring)."""
         positions = kwargs.get("position_ids")
@@ -202,14 +210,15 @@ class CPAttention:
             self.probing = False
             return
         try:
-            refuse_sequence_mixing(model)
-            # where positions enter (hf_positions.py): their hooks pass through while probing
-            entry = _entry_parameters(model)
-            self.sources = hf_positions.position_sources(model, entry)
-            self.entry_offset = hf_positions.entry_offset(self.sources)
-            hf_positions.install(self.sources, lambda: self.context)
-            hf_positions.refuse_block_differences(model, entry, lambda c: setattr(self, "context", c),
-                                                  self.entry_offset)
+            with kept_state(model):   # no trace of the probes left (a dynamic RoPE's cached length)
+                refuse_sequence_mixing(model)
+                # where positions enter (hf_positions.py): their hooks pass through while probing
+                entry = _entry_parameters(model)
+                self.sources = hf_positions.position_sources(model, entry)
+                self.entry_offset = hf_positions.entry_offset(self.sources)
+                hf_positions.install(self.sources, lambda: self.context)
+                hf_positions.refuse_block_differences(model, entry, lambda c: setattr(self, "context", c),
+                                                      self.entry_offset)
         finally:
             self.probing = False
 
@@ -266,9 +275,9 @@ class CPAttention:
         batch, local = int(first.shape[0]), int(first.shape[1])
         mask = kwargs.get("attention_mask")
         if mask is not None and (mask.ndim != 2 or tuple(mask.shape) != (batch, local)):
-            raise ValueError(f"parallelize_model: attention_mask of shape {tuple(mask.shape)} is not supported "
-                             f"under context parallelism; pass the 2-D padding mask's block ({batch}, {local}) "
-                             f"from shard_sequence")
+            raise ValueError(f"parallelize_model: attention_mask of shape {tuple(mask.shape)} is not "
+                             f"supported under context parallelism; pass the 2-D padding mask's block "
+                             f"({batch}, {local}) from shard_sequence")
         return batch, local, self._positions(kwargs.get("position_ids"), batch, local)
 
     def _check_ranks_agree(self, module, batch, local, kwargs, problem):
@@ -286,8 +295,8 @@ class CPAttention:
             raise problem
         refused = [r for r, row in enumerate(every) if row[-1]]
         if refused:
-            raise ValueError(f"parallelize_model: CP rank(s) {refused} refused their inputs (their error says "
-                             f"why); every rank stops before the sequence collectives")
+            raise ValueError(f"parallelize_model: CP rank(s) {refused} refused their inputs (their error "
+                             f"says why); every rank stops before the sequence collectives")
         if any(row != every[0] for row in every):
             shapes = {r: f"batch {row[0]}, {row[1]} tokens, attention_mask {bool(row[2])}, position_ids "
                          f"{bool(row[3])}" for r, row in enumerate(every)}
@@ -364,7 +373,8 @@ def prepare_context_parallel(model, cp_mesh, cp_kwargs):
     _own_config(model)
     state = CPAttention(model, cp_mesh, cp_kwargs)
     AttentionInterface.register(state.name, state)
-    hf_mask_probe.register(state.name)   # the model's masks come back unbuilt (hf_mask_probe.MaskSpec)
+    # the model's masks come back unbuilt (hf_mask_probe.MaskSpec), carrying this forward's global masks
+    hf_mask_probe.register(state.name, state.forward_masks)
     model.set_attn_implementation(state.name)
     if model.config._attn_implementation != state.name:
         raise ValueError(f"parallelize_model: {type(model).__name__} does not accept a custom attention "

@@ -13,6 +13,7 @@ router logits are captured by forward hooks, so no rank-local auxiliary loss is 
 import math
 from typing import Any, List, Sequence, Tuple
 
+from hyper_parallel.core.agreement import check_agreement
 from hyper_parallel.core.expert_parallel import ExpertParallel, load_balancing_loss
 from hyper_parallel.core.expert_parallel.experts import is_stacked_experts
 from hyper_parallel.core.expert_parallel.style import validate_degrees
@@ -159,10 +160,26 @@ def _global_aux_loss(model: Any, group: Any, share: int) -> None:
                 for hook in hooks:
                     hook.remove()
             mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-            aux = load_balancing_loss(captured, num, top_k, group, mask)
+            # read at each call, as Hugging Face's forward reads its own attributes (a coefficient
+            # schedule, a changed top-k); the ranks must agree on them (one exchange when they change)
+            now = _aux_settings(model, coef, num, top_k)
+            check_agreement(group, "expert_parallel_aux_loss", now,
+                            fix="set router_aux_loss_coef / num_experts_per_tok alike on every rank")
+            aux = load_balancing_loss(captured, now["num_experts"], now["top_k"], group, mask)
             out["aux_loss"], out["router_logits"] = aux, tuple(captured)
             if out.loss is not None:
-                out["loss"] = out.loss + (coef / share) * aux
+                out["loss"] = out.loss + (now["router_aux_loss_coef"] / share) * aux
             return out
         return forward
     platform.replace_forward(model, wrap)
+
+
+def _aux_settings(model: Any, coef: float, num: int, top_k: int) -> dict:
+    """The auxiliary loss's coefficient, expert count and top-k as the model holds them now (the
+    attributes Hugging Face's forward passes to ``load_balancing_loss_func``); the values found at
+    ``parallelize_model`` where the model has no such attribute."""
+    def now(name: str, default: Any) -> Any:
+        value = getattr(model, name, None)
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+    return {"router_aux_loss_coef": float(now("router_aux_loss_coef", coef)),
+            "num_experts": int(now("num_experts", num)), "top_k": int(now("num_experts_per_tok", top_k))}

@@ -4,13 +4,14 @@ The sharding mesh is the ``dp_shard`` dim; with a ``cp`` dim it is the flattened
 mesh, because context-parallel ranks see different tokens and their gradients must be reduced too
 (torchtitan's dp_shard_cp); with a ``dp_replicate`` dim (and no cp) it is the 2-D HSDP mesh.
 """
+from typing import Any
 import warnings
 
 from hyper_parallel.core.fully_shard import fully_shard
 from hyper_parallel.platform import get_platform
 
 
-def shard_mesh(mesh, dp_shard, cp):
+def shard_mesh(mesh: Any, dp_shard: Any, cp: Any) -> Any:
     """The mesh fully_shard shards over (see the module docstring). A size-1 ``cp`` or
     ``dp_replicate`` dim is left out: it changes nothing, and the examples' meshes always name them."""
     names = tuple(mesh.mesh_dim_names or ())
@@ -34,12 +35,13 @@ def shard_mesh(mesh, dp_shard, cp):
     return mesh[dp_shard]
 
 
-def decoder_layers(model):
+def decoder_layers(model: Any) -> Any:
     """The model's decoder layers: the outermost modules of the classes transformers keeps whole
     (``_no_split_modules``: LlamaDecoderLayer, GPT2Block, ...), else the ``layers`` module list."""
     platform = get_platform()
     whole = set(getattr(model, "_no_split_modules", None) or ())
-    found, prefixes = [], []
+    found: list[Any] = []
+    prefixes: list[Any] = []
     for name, module in platform.named_modules(model):
         if name and type(module).__name__ in whole and not any(name.startswith(p) for p in prefixes):
             found.append(module)
@@ -54,7 +56,7 @@ def decoder_layers(model):
                      f"hyper_parallel.fully_shard to its blocks yourself")
 
 
-def apply_fully_shard(model, mesh, dp_shard, cp, average=True):
+def apply_fully_shard(model: Any, mesh: Any, dp_shard: Any, cp: Any, average: bool = True) -> Any:
     """fully_shard each decoder layer, then the whole model, over ``shard_mesh(...)``; ``average``
     as fully_shard's (False for a loss already normalised by the global token count)."""
     sharding = shard_mesh(mesh, dp_shard, cp)
@@ -64,7 +66,7 @@ def apply_fully_shard(model, mesh, dp_shard, cp, average=True):
     return model
 
 
-def warn_unreduced_dims(model: object, mesh: object, reduced: set) -> None:
+def warn_unreduced_dims(model: Any, mesh: Any, reduced: set) -> None:
     """Mesh dims of size > 1 over which nothing parallelize_model applied reduces the gradients
     (``reduced``: the dims its wrappers cover): the ranks along them hold replicas that drift apart
     unless the user wraps the model in ``data_parallel`` over them. Checked at the first forward,

@@ -19,6 +19,7 @@ Only the classes below are replaced (their forwards were read against transforme
 whose code is theirs under another name prefix (Qwen3.5-MoE's Gated DeltaNet is Qwen3.5's); any
 other linear-attention class stays refused by the audit.
 """
+from typing import Any
 import functools
 import importlib
 
@@ -55,7 +56,8 @@ def _qwen3_5_project(module, hidden):
 def _gdn_split(module, mixed):
     batch, length, _ = mixed.shape
     query, key, value = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
-    return (query.reshape(batch, length, -1, module.head_k_dim), key.reshape(batch, length, -1, module.head_k_dim),
+    return (query.reshape(batch, length, -1, module.head_k_dim),
+            key.reshape(batch, length, -1, module.head_k_dim),
             value.reshape(batch, length, -1, module.head_v_dim))
 
 
@@ -104,7 +106,7 @@ def _class_source(cls):
 
 
 @functools.lru_cache(maxsize=None)
-def _adapter(cls):
+def _adapter(cls: Any) -> Any:
     """The ADAPTERS key for ``cls``: its own name, or a known class whose code it repeats under another
     name prefix (transformers' "Copied from": Qwen3.5-MoE's Gated DeltaNet is Qwen3.5's); else None."""
     if cls.__name__ in ADAPTERS:
@@ -167,7 +169,8 @@ def _cp_forward(module, adapter, mixing):
     return forward
 
 
-def make_linear_attention_exact(model, cp_mesh, mode="allgather", tensor_parallel=False):
+def make_linear_attention_exact(model: Any, cp_mesh: Any, mode: str = "allgather",
+                                tensor_parallel: bool = False) -> Any:
     """Replace the forward of every known linear-attention module by its CP form; returns their names.
     ``mode``: how the recurrent state crosses ranks, "allgather" (default) or "p2p". Refused together
     with tensor parallelism (the layers' TP-split projections are not handled: checked on every
@@ -175,7 +178,9 @@ def make_linear_attention_exact(model, cp_mesh, mode="allgather", tensor_paralle
     if mode not in MODES:
         raise ValueError(f"parallelize_model(linear_attention={mode!r}): pass one of {MODES} (how the "
                          f"linear-attention state crosses the CP ranks)")
-    found = [(name, module) for name, module in model.named_modules() if _adapter(type(module)) is not None]
+    # _adapter's lru_cache wrapper asks for Hashable arguments, which mypy does not see in a class
+    found = [(name, module) for name, module in model.named_modules()
+             if _adapter(type(module)) is not None]  # type: ignore[arg-type]
     if found and tensor_parallel:
         raise ValueError(f"parallelize_model: {type(model).__name__} has linear-attention layers "
                          f"({found[0][0]}: {type(found[0][1]).__name__}), which context parallelism splits "
@@ -185,7 +190,7 @@ def make_linear_attention_exact(model, cp_mesh, mode="allgather", tensor_paralle
     mixing = _Mixing(cp_mesh.get_group(), mode)
     replaced = []
     for name, module in found:
-        adapter = ADAPTERS[_adapter(type(module))]
+        adapter = ADAPTERS[_adapter(type(module))]  # type: ignore[arg-type]
         platform.replace_forward(module, lambda _original, m=module, a=adapter: _cp_forward(m, a, mixing))
         mark_sequence_exact(module)
         replaced.append(name)

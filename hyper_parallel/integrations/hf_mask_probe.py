@@ -17,9 +17,10 @@ The setup probe (hf_context_parallel.CPAttention.audit) classifies the mask of e
 module once, with no padding and no packing folded in; the forward then applies that module's
 restriction together with the padding / document masks gathered from the inputs.
 """
+import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
 
@@ -30,16 +31,38 @@ _BEYOND = 64   # keys probed past the query (a bidirectional part shows there)
 
 @dataclass(eq=False)
 class MaskSpec:
-    """The mask transformers asked the attention implementation to build (handed back unbuilt)."""
+    """The mask transformers asked the attention implementation to build (handed back unbuilt).
+    ``forward_masks``: the ``attention_masks`` keywords (global padding / document tensors) of the
+    forward that built it, or None (none, or not known: the attention finds them by position_ids)."""
     mask_function: Callable
     q_length: int
     kv_length: int
     q_offset: int = 0
     kv_offset: int = 0
+    forward_masks: Optional[Dict[str, torch.Tensor]] = None
 
     @property
     def ndim(self) -> int:   # a 4-D mask for code that checks attention_mask.ndim
         return 4
+
+    def hp_graph_parts(self) -> Tuple[Hashable, List[torch.Tensor], Callable[[List[torch.Tensor]], Any]]:
+        """How a compiled decoder layer takes this argument (compile_support.py): a hashable
+        description its graph is keyed on (lengths, offsets, which masks, the function's name: a
+        new function object each forward must not recompile), its tensors as graph inputs, and a
+        rebuild from the traced tensors. The mask function itself only serves the setup probe
+        (``classify``, once per module), so the first call's function is kept."""
+        names = tuple(sorted(self.forward_masks or {}))
+        tensors = [(self.forward_masks or {})[n] for n in names]
+        name = getattr(self.mask_function, "__qualname__", type(self.mask_function).__name__)
+        description = ("MaskSpec", name,
+                       self.q_length, self.kv_length, self.q_offset, self.kv_offset,
+                       self.forward_masks is not None, names)
+        function, lengths = self.mask_function, (self.q_length, self.kv_length, self.q_offset, self.kv_offset)
+        given = self.forward_masks is not None
+
+        def rebuild(traced: List[torch.Tensor]) -> "MaskSpec":
+            return MaskSpec(function, *lengths, forward_masks=dict(zip(names, traced)) if given else None)
+        return description, tensors, rebuild
 
 
 @dataclass(frozen=True)
@@ -60,16 +83,20 @@ class Restriction:
 CAUSAL = Restriction()
 
 
-def mask_interface(**kwargs) -> MaskSpec:
-    """Registered with transformers' AttentionMaskInterface under the CP attention name."""
+def mask_interface(current_masks: Optional[Callable[[], Optional[dict]]] = None, **kwargs) -> MaskSpec:
+    """Registered with transformers' AttentionMaskInterface under the CP attention name.
+    ``current_masks``: the running forward's global masks ({} for none; None outside a forward),
+    carried to the layers with the spec so that a compiled layer receives them as graph inputs."""
+    masks = current_masks() if current_masks is not None else None
     return MaskSpec(kwargs["mask_function"], int(kwargs.get("q_length", 0) or 0),
                     int(kwargs.get("kv_length", 0) or 0), int(kwargs.get("q_offset", 0) or 0),
-                    int(kwargs.get("kv_offset", 0) or 0))
+                    int(kwargs.get("kv_offset", 0) or 0), forward_masks=masks)
 
 
-def register(name: str) -> None:
+def register(name: str, current_masks: Optional[Callable[[], Optional[dict]]] = None) -> None:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    ALL_MASK_ATTENTION_FUNCTIONS.register(name, mask_interface)
+    interface = functools.partial(mask_interface, current_masks=current_masks)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, interface)
 
 
 def grid_size(config) -> int:

@@ -23,6 +23,7 @@ else (DeepSeek-V2's complex rope, Kimi's NoPE MLA, GLM's DSA variants) keeps the
 stays refused by the sequence audit, which still measures the whole model: while it probes, these
 modules run a token-local stand-in (hf_sequence_audit.py), as attention does.
 """
+from typing import Any, Optional
 import functools
 import inspect
 import sys
@@ -59,7 +60,7 @@ def _references():
     return mla, dsa
 
 
-def mla_kind(module):
+def mla_kind(module: Any) -> Optional[str]:
     """"mla" (DeepSeek-V3's code), "dsa" (DeepSeek-V3.2's, with its indexer) or None."""
     cls = type(module)
     if not hasattr(cls, "expand_kv") or not hasattr(module, "kv_a_proj_with_mqa"):
@@ -74,7 +75,7 @@ def mla_kind(module):
     return None
 
 
-def cp_mode_name(cp_mesh, cp_kwargs):
+def cp_mode_name(cp_mesh: Any, cp_kwargs: Any) -> Any:
     """The attention mode the ContextParallel keywords choose: allgather, ulysses, hybrid, ring or auto."""
     if cp_kwargs.get("mode") == "auto":
         return "auto"
@@ -99,7 +100,7 @@ class _LatentPath:
         return masks or {}
 
 
-_RESTRICTIONS = weakref.WeakKeyDictionary()   # MLA module -> the restriction its mask was found to make
+_RESTRICTIONS: Any = weakref.WeakKeyDictionary()   # MLA module -> the restriction its mask was found to make
 
 
 def _check_call(module, attention_mask, cache, kwargs):
@@ -250,7 +251,7 @@ def _refuse_dsa(model, found, mode, tensor_parallel):
                          f"parallelism yet; use a mesh without the 'tp' dim")
 
 
-def make_mla_exact(model, cp_mesh, cp_kwargs, tensor_parallel=False):
+def make_mla_exact(model: Any, cp_mesh: Any, cp_kwargs: Any, tensor_parallel: bool = False) -> Any:
     """Under all-gather KV, give every MLA module the latent path; returns their names. V3.2 (DSA)
     in another mode, or with tensor parallelism, is a ValueError (checked on every rank before any
     module is replaced or any collective runs). With TP, MLA keeps the per-head path."""

@@ -20,6 +20,7 @@ attention mask, a KV cache, attention dropout, padding masks / packed documents
 (``attention_masks``), or a DTensor input runs the block's own forward (where the style's
 head-chunk overlap still applies). Values equal the block's own forward (tests/test_hf_overlap.py).
 """
+from typing import Any
 import sys
 
 import torch
@@ -44,7 +45,7 @@ def _per_head_norm(module, name, head_dim):
     return norm is None or (weight is not None and tuple(weight.shape) == (head_dim,))
 
 
-def pipeline_groups(module, ulysses_degree, groups):
+def pipeline_groups(module: Any, ulysses_degree: Any, groups: Any) -> Any:
     """How many head groups ``module``'s forward can run in (1: leave it alone)."""
     cls = type(module)
     if cls.__name__ not in _KNOWN or not cls.__module__.startswith("transformers.models."):
@@ -64,7 +65,7 @@ def pipeline_groups(module, ulysses_degree, groups):
 class PipelinedAttention:
     """The replacement forward of one attention block (see the module docstring)."""
 
-    def __init__(self, module, original, state, groups):
+    def __init__(self, module: Any, original: Any, state: Any, groups: Any) -> None:
         self.module, self.original, self.state, self.groups = module, original, state, groups
         self.rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
 
@@ -130,7 +131,7 @@ def _observing(notify):
     return hook
 
 
-def pipeline_attention_blocks(model, state, cp_kwargs, cp_size):
+def pipeline_attention_blocks(model: Any, state: Any, cp_kwargs: Any, cp_size: Any) -> Any:
     """Give every known attention block of ``model`` the pipelined forward; returns how many."""
     if cp_kwargs.get("load_balance") or cp_kwargs.get("kv_exchange", "allgather") == "ring":
         return 0

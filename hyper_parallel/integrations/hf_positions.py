@@ -22,13 +22,13 @@ positions are neither the model's local default nor the entry's global ones (pos
 padding or token contents inside the model) is a ValueError naming it: pass ``position_ids``.
 """
 import contextlib
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from hyper_parallel.integrations.hf_sequence_audit import marked_probing
 
-_Key = Tuple[str, object]   # ("arg", index) or ("kw", name)
+_Key = Tuple[str, Any]   # ("arg", index) or ("kw", name)
 
 
 def _offset(tensor, length: int) -> Optional[int]:
@@ -62,7 +62,9 @@ class _Calls:
     """(module name, call index) -> (module, {key: offset} of its arange inputs, detached outputs)."""
 
     def __init__(self, model, length: int):
-        self.calls, self.counts, self.length, self.handles = {}, {}, length, []
+        self.calls: Dict[Any, Any] = {}
+        self.counts: Dict[Any, int] = {}
+        self.length, self.handles = length, []
         for name, module in model.named_modules():
             if module is not model:
                 self.handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
@@ -86,7 +88,8 @@ def _same(a, b) -> bool:
     return len(a) == len(b) and all(x.shape == y.shape and bool(torch.equal(x, y)) for x, y in zip(a, b))
 
 
-def find_sources(model, run, ids, other_ids) -> List[Tuple[str, torch.nn.Module, _Key, int, int]]:
+def find_sources(model: Any, run: Any, ids: Any,
+                 other_ids: Any) -> List[Tuple[str, torch.nn.Module, _Key, int, int, bool]]:
     """``[(name, module, key, offset without position_ids, offset with position_ids=arange, whether the
     positions change with left padding)]`` of the
     outermost position sources; ``run(input_ids, position_ids)`` calls the model (probing)."""
@@ -159,14 +162,14 @@ def _runner(model, entry_parameters, device, offset=0):
     return run
 
 
-def position_sources(model, entry_parameters):
+def position_sources(model: Any, entry_parameters: Any) -> Any:
     """``find_sources`` on the probe inputs (eval mode, no grad)."""
     ids, other, device = _probe_inputs(model)
     with _probing(model):
         return find_sources(model, _runner(model, entry_parameters, device), ids, other)
 
 
-def refuse_block_differences(model, entry_parameters, set_context, offset):
+def refuse_block_differences(model: Any, entry_parameters: Any, set_context: Any, offset: Any) -> None:
     """ValueError naming the modules whose output on a later block differs from the whole sequence's
     (after the source hooks are installed; the caller has attention replaced by the stand-in)."""
     ids, other, device = _probe_inputs(model)
@@ -184,7 +187,7 @@ def refuse_block_differences(model, entry_parameters, set_context, offset):
 class PositionContext:
     """This forward's global positions (B or 1, S) and this rank's block [start, start + local)."""
 
-    def __init__(self, global_positions: torch.Tensor, start: int, local: int, given: bool):
+    def __init__(self, global_positions: torch.Tensor, start: int, local: int, given: bool) -> None:
         self.positions, self.start, self.local, self.given = global_positions, start, local, given
 
     @property
@@ -209,7 +212,8 @@ def _fetch(args, kwargs, key: _Key):
 class SourceHook:
     """Pre / post hooks of one position source (see the module docstring)."""
 
-    def __init__(self, name: str, module, key: _Key, offset: int, offset_given: int, context_of):
+    def __init__(self, name: str, module: Any, key: _Key, offset: int, offset_given: int,
+                 context_of: Any) -> None:
         self.name, self.key, self.context_of = name, key, context_of
         self.offset, self.offset_given = offset, offset_given
         self.cls = type(module).__name__
@@ -237,7 +241,7 @@ class SourceHook:
                          f"parallelism cannot reproduce from one block; pass position_ids (this rank's block "
                          f"of the global ones, shard_sequence)")
 
-    def pre(self, module, args, kwargs):
+    def pre(self, module: Any, args: Any, kwargs: Any) -> Any:
         context = self.context_of()
         received = _fetch(args, kwargs, self.key)
         if context is None or not torch.is_tensor(received) or received.shape[-1] != context.local:
@@ -247,7 +251,7 @@ class SourceHook:
         self.pending.append((received.ndim, context.start, context.local, context.total))
         return _replace(args, kwargs, self.key, full)
 
-    def post(self, module, args, output):
+    def post(self, module: Any, args: Any, output: Any) -> Any:
         cut = self.pending.pop() if self.pending else None
         if cut is None:
             return None
@@ -291,18 +295,18 @@ def _cut(value, ndim: int, start: int, local: int, total: int, where: str):
     return value
 
 
-def install(sources, context_of) -> List[SourceHook]:
+def install(sources: Any, context_of: Any) -> List[SourceHook]:
     """Hooks on every source; ``context_of()`` gives the current forward's PositionContext (or None)."""
     return [SourceHook(name, module, key, k, k_given, context_of)
             for name, module, key, k, k_given, _ in sources]
 
 
-def padding_dependent(sources) -> List[str]:
+def padding_dependent(sources: Any) -> List[str]:
     """Names of the sources whose positions the model counts from the padding mask."""
     return [f"{name} ({type(module).__name__})" for name, module, _, _, _, dependent in sources if dependent]
 
 
-def entry_offset(sources) -> int:
+def entry_offset(sources: Any) -> int:
     """What to add to 0-based positions handed to the model's entry so that its sources see the same
     positions as when the model counts them itself (RoBERTa: padding_idx + 1); 0 when they agree."""
     shifts = {k - k_explicit for _, _, _, k, k_explicit, _ in sources}
@@ -342,7 +346,7 @@ def _tail_differs(whole: torch.Tensor, tail: torch.Tensor, length: int, start: i
     return expected.shape == tail.shape and bool(((expected - tail.double()).abs() > scale).any())
 
 
-def block_differences(model, run, ids, set_context) -> List[str]:
+def block_differences(model: Any, run: Any, ids: Any, set_context: Any) -> List[str]:
     """Run ``ids`` whole and its second half alone as a later CP rank would (global positions through
     the source hooks, ``set_context``), attention token-local (the caller probes): the innermost module
     calls whose output on the half differs from the whole run's (positions counted on the block:

@@ -18,6 +18,7 @@ probe only, runs a token-local stand-in of its own mixing, as attention does; th
 measures it and everything else, so nothing unmarked is accepted and a marked module whose
 stand-in mixed would still be refused.
 """
+from typing import Any, Iterator
 import contextlib
 import weakref
 
@@ -38,17 +39,17 @@ _WHY = (
 )
 
 
-_EXACT = weakref.WeakSet()   # modules whose CP forward is exact on sequence blocks
+_EXACT: Any = weakref.WeakSet()   # modules whose CP forward is exact on sequence blocks
 _PROBING = [False]
 
 
-def mark_sequence_exact(module):
+def mark_sequence_exact(module: Any) -> None:
     """Record that ``module``'s forward runs exactly on CP sequence blocks (it exchanges what it needs)."""
     _EXACT.add(module)
 
 
 @contextlib.contextmanager
-def marked_probing():
+def marked_probing() -> Iterator[None]:
     """While it lasts, modules marked sequence-exact run their token-local stand-in (the position probes
     of hf_positions.py run the model like the audit does)."""
     before = _PROBING[0]
@@ -59,7 +60,7 @@ def marked_probing():
         _PROBING[0] = before
 
 
-def is_probing(module):
+def is_probing(module: Any) -> Any:
     """Whether the audit is probing and ``module`` is marked: then it runs its token-local stand-in."""
     return _PROBING[0] and module in _EXACT
 
@@ -170,7 +171,7 @@ def _probe_ids(model, device):
     return ids, moved
 
 
-def mixing_modules(model):
+def mixing_modules(model: Any) -> Any:
     """``[(dotted name, class name)]`` of the innermost modules that mix the sequence outside attention
     (the caller has replaced attention by a token-local stand-in)."""
     device = next(model.parameters()).device
@@ -198,7 +199,7 @@ def _where(error):
     return f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}: {frame.line}"
 
 
-def refuse_sequence_mixing(model):
+def refuse_sequence_mixing(model: Any) -> None:
     """ValueError naming every module that context parallelism would silently get wrong."""
     try:
         found = mixing_modules(model)

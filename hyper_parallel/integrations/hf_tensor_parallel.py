@@ -18,6 +18,7 @@ Attention modules in transformers 5 reshape projections with ``view(..., -1, hea
 pick up the per-rank head count from the sharded projection by themselves (as under HF's own TP);
 integer head-count attributes that some modules keep are divided by the TP size as well.
 """
+from typing import Any
 import fnmatch
 
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
@@ -63,7 +64,7 @@ def _styles():
     }
 
 
-def translate_plan(hf_plan):
+def translate_plan(hf_plan: Any) -> Any:
     """{fqn pattern: our style} from HF's {fqn pattern: style name}; unknown names raise."""
     table, plan = _styles(), {}
     for pattern, name in hf_plan.items():
@@ -125,7 +126,7 @@ def _retie(model, tied_before):
                          "splits them differently; untie them (tie_word_embeddings=False) or use tp=None")
 
 
-def apply_tensor_parallel(model, tp_mesh):
+def apply_tensor_parallel(model: Any, tp_mesh: Any) -> Any:
     hf_plan = dict(getattr(model, "tp_plan", None) or {})
     if not hf_plan:
         prefix = model.base_model_prefix

@@ -19,7 +19,7 @@ Cost: one CP forward of the probe batch plus one forward of the whole probe sequ
 At a probe of P·max(16, 2·window + 2) tokens that is well under one training step for models whose
 windows are short; a 4096-token window makes the probe about 8192 tokens long.
 """
-from typing import List
+from typing import Any, List
 
 import torch
 
@@ -30,8 +30,9 @@ def _layers(model) -> List[torch.nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or ())
     found = [m for m in model.modules() if type(m).__name__ in names]
     if not found:
-        lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-        found = list(max(lists, key=len)) if lists else []
+        lists: List[Any] = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+        sizes = [len(m) for m in lists]
+        found = list(lists[sizes.index(max(sizes))]) if lists else []
     return found
 
 
@@ -57,7 +58,7 @@ def _record(model, names):
     return outputs, handles
 
 
-def probe_length(state, world: int) -> int:
+def probe_length(state: Any, world: int) -> int:
     longest = max([r.window or r.chunk or 0 for r in state.restrictions.values()] + [0])
     per_rank = max(16, -(-(2 * longest + 2) // world))
     per_rank += per_rank % 2   # load balance halves each rank's block
@@ -74,7 +75,7 @@ def _run(model, ids, outputs, handles):
     return list(outputs)
 
 
-def verify_context_parallel(model, state) -> None:
+def verify_context_parallel(model: Any, state: Any) -> None:
     """Raise ValueError naming the first decoder layer whose output differs with and without CP."""
     from hyper_parallel import shard_sequence
     mesh, platform = state.mesh, get_platform()

@@ -61,7 +61,7 @@ def parallelize_model(model: Any, device_mesh: Any, *, tp: Optional[str] = "tp",
     if getattr(model, "_hp_parallelized", False):
         raise ValueError("parallelize_model was already applied to this model")
     tp_mesh, cp_mesh, fsdp = _check_options(model, device_mesh, tp, cp, dp_shard, average, loss, verify)
-    ep_dims = ()
+    ep_dims: Tuple[str, ...] = ()
     if ep is not None:   # MoE experts split over mesh dim(s) ``ep`` (hf_expert_parallel.py, SPEC §17)
         ep_dims = check_expert_parallel(model, device_mesh, ep, fsdp, tp_mesh is not None)
     if cp_mode is not None:
@@ -71,7 +71,8 @@ def parallelize_model(model: Any, device_mesh: Any, *, tp: Optional[str] = "tp",
                          f"given but the mesh has no {cp!r} dim")
     state = _apply_attention_parallelism(model, tp_mesh, cp_mesh, context_parallel_kwargs)
     if ep is not None:
-        apply_expert_parallel(model, device_mesh, ep, (dp_shard, cp), average)
+        data_dims = tuple(d for d in (dp_shard, cp) if d is not None)
+        apply_expert_parallel(model, device_mesh, ep, data_dims, average)
     if fsdp:
         from hyper_parallel.integrations.hf_fully_shard import apply_fully_shard
         apply_fully_shard(model, device_mesh, dp_shard, cp if cp_mesh is not None else None, average)

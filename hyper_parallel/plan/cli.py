@@ -30,7 +30,13 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--gpus-per-node", type=int, default=8)
         p.add_argument("--memory-gib", type=float, default=None,
                        help="device memory to fit in (default: the device's)")
-        p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+        p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                       help="parameters and compute (with --master-dtype: gathered parameters and compute)")
+        p.add_argument("--master-dtype", default=None, choices=("float32",),
+                       help="mixed precision: sharded master weights, gradients, AdamW state in this dtype "
+                            "(fully_shard's MixedPrecisionPolicy(param_dtype=--dtype))")
+        p.add_argument("--reduce-dtype", default=None, choices=("bfloat16", "float32"),
+                       help="with --master-dtype: gradients reduce-scattered in this dtype (default --dtype)")
         p.add_argument("--layers", type=int, default=None,
                        help="run k and 2k layers and scale to the model's (default: dry-run the whole model; "
                             "search: one period of the layer pattern)")
@@ -59,9 +65,10 @@ def _dry_run(args) -> int:
     features = tuple(f for f in args.features.split(",") if f)
     _, total = model_fn(args.model, dtype=args.dtype)
     extra = {} if args.ep is None else {"ep": args.ep if "," not in args.ep else tuple(args.ep.split(","))}
+    extra.update(_precision(args))
 
     def run(layers):
-        build, _ = model_fn(args.model, layers=layers, dtype=args.dtype)
+        build, _ = model_fn(args.model, layers=layers, dtype=args.master_dtype or args.dtype)
         return dry_run(build, tuple(args.mesh.values()), tuple(args.mesh), rank=args.rank, seq_len=args.seq,
                        batch=args.batch, cp_mode=args.cp_mode, features=features, model_name=args.model,
                        **extra)
@@ -73,14 +80,25 @@ def _dry_run(args) -> int:
     return 0
 
 
+def _precision(args: argparse.Namespace) -> dict:
+    if args.master_dtype is None:
+        if args.reduce_dtype is not None:
+            raise ValueError("--reduce-dtype is fully_shard's mixed-precision setting: pass --master-dtype "
+                             "float32 with it")
+        return {}
+    return {"param_dtype": args.dtype, "reduce_dtype": args.reduce_dtype}
+
+
 def _ints(text: Optional[str]):
     return tuple(int(x) for x in text.split(",")) if text else None
 
 
 def _search(args) -> int:
     from hyper_parallel.plan.search import Searcher, public, table
+    _precision(args)
     searcher = Searcher(args.model, args.seq, args.gpus, args.device, args.gpus_per_node, args.batch,
-                        args.memory_gib, args.dtype, args.layers)
+                        args.memory_gib, args.dtype, args.layers, master_dtype=args.master_dtype,
+                        reduce_dtype=args.reduce_dtype)
     only = {"tp": _ints(args.tp), "cp": _ints(args.cp),
             "modes": tuple(args.cp_modes.split(",")) if args.cp_modes else None}
     for mode in only["modes"] or ():

@@ -71,6 +71,7 @@ def _parallelize(model, mesh, sizes, cp_mode, features, parallel_options):
     from hyper_parallel.core.data_parallel import data_parallel
     from hyper_parallel.integrations.transformers import parallelize_model
     options = dict(parallel_options)
+    policy = _mixed_precision(options, sizes)
     if "chunked_loss" in features:
         options["loss"] = "chunked"
     names = [n for n in sizes if sizes[n] > 1 or n in ("cp", "tp", "dp_shard")]
@@ -78,7 +79,19 @@ def _parallelize(model, mesh, sizes, cp_mode, features, parallel_options):
         options.update(cp_kwargs(cp_mode))
     if any(n in sizes for n in ("cp", "tp", "dp_shard")):
         average = options.pop("average", "dp_shard" not in sizes or "cp" not in sizes)
-        parallelize_model(model, mesh, average=average if "dp_shard" in sizes else True, **options)
+        average = average if "dp_shard" in sizes else True
+        if policy is not None:
+            # parallelize_model takes no MixedPrecisionPolicy (SPEC §11 / §16): its fully_shard step is
+            # done here as hf_fully_shard does it (each decoder layer, then the root), with the policy
+            options["dp_shard"] = None
+        parallelize_model(model, mesh, average=average if policy is None else True, **options)
+        if policy is not None:
+            from hyper_parallel.core.fully_shard import fully_shard
+            from hyper_parallel.integrations.hf_fully_shard import decoder_layers, shard_mesh
+            sharding = shard_mesh(mesh, "dp_shard", "cp" if sizes.get("cp", 1) > 1 else None)
+            for layer in decoder_layers(model):
+                fully_shard(layer, sharding, average=average, mp_policy=policy)
+            fully_shard(model, sharding, average=average, mp_policy=policy)
     if "dp_shard" not in sizes:
         # replicated data parallel over the ranks that see different tokens (dp_replicate x cp)
         data_dims = [n for n in ("dp_replicate", "cp") if sizes.get(n, 1) > 1]
@@ -86,6 +99,22 @@ def _parallelize(model, mesh, sizes, cp_mode, features, parallel_options):
             sub = mesh[data_dims[0]] if len(data_dims) == 1 else mesh[tuple(data_dims)].flatten()
             data_parallel(model, sub)
     return names
+
+
+def _mixed_precision(options, sizes):
+    """fully_shard's MixedPrecisionPolicy from ``param_dtype=`` / ``reduce_dtype=`` (dtype names): the
+    model's own dtype is the master weights' (fp32), gathered parameters and compute in param_dtype,
+    gradients reduced in reduce_dtype (default param_dtype, as FSDP2). None without them."""
+    param, reduce = options.pop("param_dtype", None), options.pop("reduce_dtype", None)
+    if param is None and reduce is None:
+        return None
+    if "dp_shard" not in sizes or options.get("ep") is not None:
+        raise ValueError(f"dry_run(param_dtype={param!r}, reduce_dtype={reduce!r}): mixed precision is "
+                         f"fully_shard's policy; it needs a dp_shard mesh dim and no ep= here (the experts' "
+                         f"own fully_shard takes no policy through parallelize_model)")
+    from hyper_parallel.core.fully_shard import MixedPrecisionPolicy
+    dtype = torch_tools().dtype
+    return MixedPrecisionPolicy(param_dtype=dtype(param), reduce_dtype=dtype(reduce))
 
 
 def _dim_labels(mesh, names):
@@ -135,10 +164,6 @@ def dry_run(model_fn: Callable, mesh_shape: Sequence[int], mesh_dim_names: Seque
     tools = torch_tools()
     sizes = check_mesh(mesh_shape, mesh_dim_names)
     check_features(features, cp_mode, sizes)
-    if parallel_options.get("ep") is not None:
-        raise ValueError(f"dry_run(ep={parallel_options['ep']!r}): expert parallelism sizes its all-to-all "
-                         f"from the routing counts, values a dry run does not have; dry-run without ep "
-                         f"(experts then follow fully_shard and the tensor-parallel plan)")
     if seq_len % max(1, sizes.get("cp", 1)) or seq_len < 1 or batch < 1:
         raise ValueError(f"dry_run: seq_len {seq_len} must be a positive multiple of cp={sizes.get('cp', 1)} "
                          f"and batch {batch} positive")
@@ -183,22 +208,31 @@ def real_run(model_fn: Callable, mesh_shape: Sequence[int], mesh_dim_names: Sequ
 
 def _step_report(tools, model, mesh, sizes, seq_len, batch, cp_mode, features, chunks, options, fake, name,
                  rank):
-    from hyper_parallel.core.shard_sequence import shard_sequence
+    import warnings
+    from hyper_parallel.core.data_parallel.shard_sequence import shard_sequence
+    mixed = "param_dtype" in options or "reduce_dtype" in options
     _apply_features(model, features, chunks)
     _parallelize(model, mesh, sizes, cp_mode, features, options)
     cp_mesh = mesh["cp"] if sizes.get("cp", 1) > 1 else None
     step = tools.TrainStep(model, seq_len, batch, cp_mesh=cp_mesh, fake=fake)
-    return measure(step, shard_sequence, mesh, sizes, name, seq_len, batch,
-                   cp_mode if cp_mesh is not None else None, features, rank)
+    with warnings.catch_warnings():
+        # the mixed-precision path applies fully_shard after parallelize_model, whose first-forward
+        # check would call the dp dims unreduced; every dim is reduced here (fully_shard / data_parallel)
+        warnings.filterwarnings("ignore", message="parallelize_model: the gradients are reduced over no")
+        # ... and fully_shard's unit-call order is then learned in the warm-up steps (a real run's CP
+        # audit forwards teach it earlier): two warm-up steps reach the steady state
+        return measure(step, shard_sequence, mesh, sizes, name, seq_len, batch,
+                       cp_mode if cp_mesh is not None else None, features, rank, 2 if mixed else 1)
 
 
-def measure(step, shard_sequence, mesh, sizes, name, seq_len, batch, cp_mode, features, rank):
+def measure(step, shard_sequence, mesh, sizes, name, seq_len, batch, cp_mode, features, rank, warmups=1):
     """The steady-state step (memory, FLOPs, collectives), fake or real alike: a warm-up step first,
     which does what happens once (cross-rank agreement checks, the optimizer's state). Measuring the
     first step instead is not the same: first calls compute more than the steady state does."""
     tools = torch_tools()
-    step.run(shard_sequence)
-    step.zero_grad()
+    for _ in range(warmups):
+        step.run(shard_sequence)
+        step.zero_grad()
     tracker = tools.StepTracker()
     tracker.adopt(step.parameters() + step.optimizer_state())
     with CommDebugMode() as comm:
@@ -209,7 +243,7 @@ def measure(step, shard_sequence, mesh, sizes, name, seq_len, batch, cp_mode, fe
                         features=list(features), memory_bytes=memory, peak_memory_bytes=tracker.peak_bytes,
                         flops=tracker.flops, comm=comm_by_dim(comm.log, mesh, list(sizes)),
                         memory_bound_bytes=tracker.memory_bound_bytes,
-                        ops=dict(tracker.ops), step_wall_seconds=seconds)
+                        ops=dict(tracker.ops), step_wall_seconds=seconds, op_count=tracker.op_count)
 
 
 __all__ = ["dry_run", "real_run", "DryRunReport", "FEATURES"]

@@ -13,6 +13,11 @@ _LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "
 _LLAMA31 = dict(vocab_size=128256, max_position_embeddings=131072, rope_parameters=_LLAMA31_ROPE,
                 num_key_value_heads=8, rms_norm_eps=1e-5, tie_word_embeddings=False)
 
+_QWEN3_MOE = dict(num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                  norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960,
+                  tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
 # name -> (config class, model class, keywords)
 BUILTIN: Dict[str, Tuple[str, str, dict]] = {
     "llama3.1-8b": ("LlamaConfig", "LlamaForCausalLM", dict(
@@ -29,7 +34,23 @@ BUILTIN: Dict[str, Tuple[str, str, dict]] = {
     "mistral-7b": ("MistralConfig", "MistralForCausalLM", dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=32768, max_position_embeddings=32768, sliding_window=None,
+        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "mixtral-8x7b": ("MixtralConfig", "MixtralForCausalLM", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+        max_position_embeddings=32768, sliding_window=None, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "mixtral-8x22b": ("MixtralConfig", "MixtralForCausalLM", dict(
+        hidden_size=6144, intermediate_size=16384, num_hidden_layers=56, num_attention_heads=48,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32768,
+        max_position_embeddings=65536, sliding_window=None, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        _QWEN3_MOE, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32)),
+    "qwen3-235b-a22b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        _QWEN3_MOE, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+        num_hidden_layers=94, num_attention_heads=64)),
     "gemma3-27b": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         hidden_size=5376, intermediate_size=21504, num_hidden_layers=62, num_attention_heads=32,
         num_key_value_heads=16, head_dim=128, vocab_size=262208, sliding_window=1024,
@@ -57,18 +78,27 @@ BUILTIN: Dict[str, Tuple[str, str, dict]] = {
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_experts=256,
         num_experts_per_token=8, num_shared_experts=1, first_k_dense_replace=1, vocab_size=163840,
         linear_head_dim=128, linear_num_heads=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6 + ["linear_attention"] * 3,
+        # published full_attn_layers [4, 8, ..., 24, 27] (1-based): the last layer is full attention
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6 + ["linear_attention"] * 2
+        + ["full_attention"],
         max_position_embeddings=1048576)),
 }
 
 
+# Llama 3 names: the 3.1 models (the same architecture with the 128k-token RoPE scaling)
+ALIASES = {"llama3-8b": "llama3.1-8b", "llama3-70b": "llama3.1-70b", "llama3-405b": "llama3.1-405b"}
+
+
 def _layer_period(config) -> int:
-    """The repeat length of a hybrid stack (sliding/full, linear/full): layers are cut in whole periods."""
+    """The repeat length of a hybrid stack (sliding/full, linear/full): layers are cut in whole periods.
+    A stack whose last, partial period breaks the pattern (Kimi-Linear's final full-attention layer)
+    takes the pattern's period (scaling.py's linear extension then approximates that tail)."""
     types = getattr(config, "layer_types", None)
     if not types:
         return 1
-    for period in range(1, len(types) + 1):
-        if all(types[i] == types[i % period] for i in range(len(types))):
+    for period in range(1, len(types) // 2 + 1):
+        whole = len(types) - len(types) % period     # the tail after the last whole period is free
+        if all(types[i] == types[i % period] for i in range(whole)):
             return period
     return len(types)
 
@@ -76,6 +106,7 @@ def _layer_period(config) -> int:
 def load_config(name_or_path: str, dtype: str = "bfloat16"):
     """(transformers config, model class) of a built-in name or a config.json path."""
     import transformers
+    name_or_path = ALIASES.get(name_or_path, name_or_path)
     if name_or_path in BUILTIN:
         config_class, model_class, kwargs = BUILTIN[name_or_path]
         config = getattr(transformers, config_class)(**kwargs)

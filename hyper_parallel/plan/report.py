@@ -29,6 +29,7 @@ class DryRunReport:
     ops: Dict[Tuple[int, int], float] = dataclasses.field(default_factory=dict, repr=False)
     prediction: Optional[dict] = None
     step_wall_seconds: float = 0.0     # the measured step's wall time here (meaningful for a real run)
+    op_count: int = 0                  # computing ops dispatched (the host's per-op cost, roofline.py)
 
     @property
     def world_size(self) -> int:

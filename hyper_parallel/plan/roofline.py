@@ -11,25 +11,33 @@ Assumptions (printed with every prediction):
   group spans nodes; ranks are laid out row-major over the mesh, ``gpus_per_node`` per node);
 - fully_shard's all-gathers and reduce-scatters overlap the step's compute (its prefetch), all but
   one unit's worth; the ring's P2P hops overlap at most half the compute (the attention's share at
-  long sequence), all but one hop; Ulysses / all-gather K/V and tensor-parallel collectives are
-  exposed (the library issues them on the critical path);
+  long sequence), all but one hop; Ulysses / all-gather K/V, expert all-to-alls and tensor-parallel
+  collectives are exposed (the library issues them on the critical path);
+- a peak fits when it is at most USABLE_FRACTION of the device's memory;
 - MFU counts the model's FLOPs: with activation checkpointing a quarter of the executed FLOPs is
   recompute (one extra forward).
 """
 import math
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
+_MIB = 2 ** 20
+# "Does not fit": the dry run's peak (bytes of live tensors) above USABLE_FRACTION of the device's
+# memory (the total nvidia-smi / npu-smi reports). The rest goes to the CUDA context and kernels' and
+# cuBLAS workspaces (~1 GiB), NCCL's buffers (~1-2 GiB at the meshes searched) and the caching
+# allocator's fragmentation (a few % of the peak); docs/planning.md states what was measured.
+USABLE_FRACTION = 0.92
 DEVICES: Dict[str, dict] = {
-    # flops: dense bf16; hbm: bytes/s; memory: bytes; intra / inter: bytes/s per GPU per direction
-    "h100": dict(flops=989e12, hbm=3.35e12, memory=80e9, intra=450e9, inter=50e9, intra_lat=3e-6,
+    # flops: dense bf16; hbm: bytes/s; memory: bytes (the total the driver reports); intra / inter:
+    # bytes/s per GPU per direction
+    "h100": dict(flops=989e12, hbm=3.35e12, memory=81559 * _MIB, intra=450e9, inter=50e9, intra_lat=3e-6,
                  inter_lat=10e-6, links="NVLink 4 (450 GB/s) / InfiniBand NDR 400 Gb/s per GPU"),
-    "h200": dict(flops=989e12, hbm=4.8e12, memory=141e9, intra=450e9, inter=50e9, intra_lat=3e-6,
+    "h200": dict(flops=989e12, hbm=4.8e12, memory=143771 * _MIB, intra=450e9, inter=50e9, intra_lat=3e-6,
                  inter_lat=10e-6, links="NVLink 4 (450 GB/s) / InfiniBand NDR 400 Gb/s per GPU"),
-    "a100": dict(flops=312e12, hbm=2.039e12, memory=80e9, intra=300e9, inter=25e9, intra_lat=4e-6,
+    "a100": dict(flops=312e12, hbm=2.039e12, memory=81920 * _MIB, intra=300e9, inter=25e9, intra_lat=4e-6,
                  inter_lat=10e-6, links="NVLink 3 (300 GB/s) / InfiniBand HDR 200 Gb/s per GPU"),
-    "b200": dict(flops=2250e12, hbm=8e12, memory=180e9, intra=900e9, inter=50e9, intra_lat=3e-6,
+    "b200": dict(flops=2250e12, hbm=8e12, memory=183359 * _MIB, intra=900e9, inter=50e9, intra_lat=3e-6,
                  inter_lat=10e-6, links="NVLink 5 (900 GB/s) / InfiniBand 400 Gb/s per GPU"),
-    "ascend910b": dict(flops=320e12, hbm=1.6e12, memory=64e9, intra=196e9, inter=25e9, intra_lat=5e-6,
+    "ascend910b": dict(flops=320e12, hbm=1.6e12, memory=65536 * _MIB, intra=196e9, inter=25e9, intra_lat=5e-6,
                        inter_lat=15e-6, links="HCCS (196 GB/s) / RoCE 200 Gb/s per NPU"),
 }
 GEMM_EFFICIENCY, HBM_EFFICIENCY = 0.75, 0.85
@@ -45,6 +53,7 @@ def device(name: str, calibration: Optional[dict] = None) -> dict:
         copy = calibration["bytes_per_s"]
         # gloo on one host moves bytes through shared memory and sockets: a quarter of memcpy, 50 us
         return dict(flops=calibration["flops"] / GEMM_EFFICIENCY, hbm=copy / HBM_EFFICIENCY, memory=None,
+                    op_seconds=calibration.get("op_seconds", 0.0),
                     intra=copy / 4, inter=copy / 4, intra_lat=50e-6, inter_lat=50e-6,
                     links=f"gloo on this host (a quarter of memcpy, {copy / 4e9:.1f} GB/s)")
     if name not in DEVICES:
@@ -59,7 +68,7 @@ def _group_spans_nodes(mesh: Dict[str, int], dims, gpus_per_node: int) -> bool:
     return top >= gpus_per_node
 
 
-def comm_seconds(report, dev: dict, gpus_per_node: int) -> Dict[str, float]:
+def comm_seconds(report: Any, dev: dict, gpus_per_node: int) -> Dict[str, float]:
     """Seconds per mesh dim label of the report's collectives."""
     out = {}
     for label, entry in report.comm.items():
@@ -70,29 +79,35 @@ def comm_seconds(report, dev: dict, gpus_per_node: int) -> Dict[str, float]:
     return out
 
 
-def compute_seconds(report, dev: dict) -> float:
+def compute_seconds(report: Any, dev: dict) -> float:
     flops, hbm = dev["flops"] * GEMM_EFFICIENCY, dev["hbm"] * HBM_EFFICIENCY
     ops = sum(n * max(f / flops, b / hbm) for (f, b), n in report.ops.items())
-    return ops + report.memory_bound_bytes / hbm
+    # eager dispatch on the host: measured per op on cpu; a GPU's launches run ahead of its kernels
+    return ops + report.memory_bound_bytes / hbm + report.op_count * dev.get("op_seconds", 0.0)
 
 
-def _exposed(report, seconds: Dict[str, float], compute: float) -> float:
+def _exposed(report: Any, seconds: Dict[str, float], compute: float) -> float:
+    """Communication left on the critical path, per mesh dim label, split by op: fully_shard's
+    all-gathers / reduce-scatters hide behind compute but one unit's; P2P ring hops behind half the
+    compute but one hop; expert all-to-alls, Ulysses, all-gather K/V, TP and checks are exposed."""
     units = max(1, (report.layers[1] if report.layers else 1) + 1)
     exposed = 0.0
     for label, t in seconds.items():
-        dims = label.split("+")
-        ops = report.comm[label]["ops"]
-        if any(d in _FSDP_DIMS for d in dims) and not set(ops) & {"send_recv", "all_to_all"}:
-            exposed += max(t / units, t - compute)
-        elif set(ops) == {"send_recv"} or ("send_recv" in ops and "cp" in dims):
-            hops = max(1, report.mesh.get("cp", 1) - 1)
-            exposed += max(t / hops, t - 0.5 * compute)
-        else:
-            exposed += t
+        dims, entry = label.split("+"), report.comm[label]
+        total = max(1, entry["bytes_sent"])
+        for op, (count, nbytes) in entry["ops"].items():
+            share = t * (nbytes / total if entry["bytes_sent"] else count / max(1, entry["collectives"]))
+            if op == "send_recv" and "cp" in dims:
+                hops = max(1, report.mesh.get("cp", 1) - 1)
+                exposed += max(share / hops, share - 0.5 * compute)
+            elif any(d in _FSDP_DIMS for d in dims) and op in ("all_gather", "reduce_scatter", "all_reduce"):
+                exposed += max(share / units, share - compute)
+            else:
+                exposed += share
     return exposed
 
 
-def predict(report, device_name: str, gpus_per_node: int = 8, calibration: Optional[dict] = None,
+def predict(report: Any, device_name: str, gpus_per_node: int = 8, calibration: Optional[dict] = None,
             memory_bytes: Optional[float] = None) -> dict:
     """Step seconds, tokens/s/device, MFU and whether the peak fits, with the assumptions."""
     dev = device(device_name, calibration)
@@ -107,17 +122,23 @@ def predict(report, device_name: str, gpus_per_node: int = 8, calibration: Optio
             "exposed_comm_seconds": exposed, "comm_seconds": seconds,
             "tokens_per_second_per_device": tokens / step if step > 0 else 0.0,
             "mfu": model_flops / (step * dev["flops"]) if step > 0 else 0.0,
-            "fits": capacity is None or report.peak_memory_bytes <= 0.95 * capacity,
+            "fits": fits(report.peak_memory_bytes, capacity),
             "assumptions": assumptions(dev, gpus_per_node, capacity)}
 
 
+def fits(peak_bytes: float, capacity: Optional[float]) -> bool:
+    """Whether a peak fits: at most ``USABLE_FRACTION`` of ``capacity`` (None: no limit)."""
+    return capacity is None or peak_bytes <= USABLE_FRACTION * capacity
+
+
 def assumptions(dev: dict, gpus_per_node: int, capacity: Optional[float]) -> list:
-    cap = "no limit" if capacity is None else f"{capacity / 1e9:.0f} GB, 95 % usable"
+    cap = ("no limit" if capacity is None else
+           f"{capacity / 2 ** 30:.1f} GiB, {USABLE_FRACTION:.0%} usable by tensors")
     return [f"{dev['flops'] / 1e12:.0f} TFLOP/s dense bf16 x {GEMM_EFFICIENCY}, "
             f"HBM {dev['hbm'] / 1e12:.2f} TB/s "
             f"x {HBM_EFFICIENCY}, memory {cap}",
             f"links {dev['links']}; {gpus_per_node} GPUs per node, ranks row-major over the mesh",
             "fully_shard collectives hidden behind compute but one unit's; ring hops behind half the compute "
-            "but one hop; Ulysses, all-gather K/V and TP collectives exposed",
+            "but one hop; Ulysses, all-gather K/V, expert all-to-all and TP collectives exposed",
             "MFU from the model's FLOPs (activation checkpointing: a quarter of them is recompute, not "
             "counted)"]

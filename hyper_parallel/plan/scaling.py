@@ -9,7 +9,7 @@ dense layers are cut to k - 1) is an approximation.
 """
 import collections
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 from hyper_parallel.plan.report import DryRunReport
 
@@ -19,11 +19,11 @@ def _line(a: float, b: float, t: float) -> float:
 
 
 def _comm(small: dict, large: dict, t: float) -> dict:
-    out = {}
+    out: dict[str, Any] = {}
     for label in set(small) | set(large):
         empty = {"collectives": 0, "bytes_sent": 0, "bytes_received": 0, "ops": {}}
         a, b = small.get(label, empty), large.get(label, empty)
-        ops = {}
+        ops: dict[Any, tuple[int, ...]] = {}
         for op in set(a["ops"]) | set(b["ops"]):
             pairs = zip(a["ops"].get(op, (0, 0)), b["ops"].get(op, (0, 0)))
             ops[op] = tuple(int(round(_line(x, y, t))) for x, y in pairs)
@@ -36,7 +36,7 @@ def _comm(small: dict, large: dict, t: float) -> dict:
 def extrapolate(small: DryRunReport, large: DryRunReport, k: int, layers: int) -> DryRunReport:
     """The report of ``layers`` layers from those of k (``small``) and 2k (``large``) layers."""
     t = (layers - k) / k
-    ops = collections.Counter()
+    ops: Any = collections.Counter()
     for key in set(small.ops) | set(large.ops):
         ops[key] = max(0.0, _line(small.ops.get(key, 0), large.ops.get(key, 0), t))
     memory = {c: int(round(_line(small.memory_bytes[c], large.memory_bytes[c], t)))
@@ -46,6 +46,7 @@ def extrapolate(small: DryRunReport, large: DryRunReport, k: int, layers: int) -
                                                                       large.peak_memory_bytes, t))),
         flops=int(round(_line(small.flops, large.flops, t))), comm=_comm(small.comm, large.comm, t),
         memory_bound_bytes=int(round(_line(small.memory_bound_bytes, large.memory_bound_bytes, t))),
+        op_count=int(round(_line(small.op_count, large.op_count, t))),
         ops=dict(ops), layers=(k, layers), wall_seconds=small.wall_seconds + large.wall_seconds)
 
 

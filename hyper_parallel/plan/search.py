@@ -14,10 +14,10 @@ ranks trains more tokens.
 """
 import math
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional, Tuple
 
 from hyper_parallel.plan.models import layer_period, load_config, model_fn
-from hyper_parallel.plan.roofline import predict
+from hyper_parallel.plan.roofline import DEVICES, fits, predict
 from hyper_parallel.plan.scaling import scaled_dry_run
 
 FEATURE_LADDER = (("chunked_loss",), ("chunked_loss", "checkpoint"),
@@ -28,6 +28,30 @@ ALL_MODES = ("ulysses", "allgather", "allgather_lb", "ring", "zigzag")
 
 def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def expert_options(mesh: dict, experts: int) -> List[Optional[Tuple[str, ...]]]:
+    """ep choices of a mesh for a model with ``experts`` routed experts (0: dense): none (experts under
+    fully_shard), the dp_shard ranks, the dp_shard x cp ranks — each where its size divides the experts
+    (SPEC §17: experts split over data ranks; HSDP's dp_replicate is not wired for ep)."""
+    out: List[Optional[Tuple[str, ...]]] = [None]
+    if not experts or mesh.get("dp_replicate", 1) > 1:
+        return out
+    for dims in (("dp_shard",), ("dp_shard", "cp")):
+        size = math.prod(mesh.get(d, 1) for d in dims)
+        if size > 1 and experts % size == 0 and all(mesh.get(d, 1) > 1 for d in dims[1:]):
+            out.append(dims)
+    return out
+
+
+def roles(mesh: dict, mode: Optional[str], uneven: bool) -> Tuple[int, ...]:
+    """The ranks whose dry runs bound the job: the last rank (the last CP block: the most causal work
+    in the unbalanced modes), and rank 0 (coordinate 0 on every dim: the larger piece of every uneven
+    split) where something is uneven or the mode unbalanced. There is no pipeline here, and the
+    embedding / lm_head are split like every other parameter (fully_shard pads its shards evenly), so
+    every other rank repeats one of these two."""
+    last = math.prod(mesh.values()) - 1
+    return (last, 0) if last and (uneven or mode in ("allgather", "ring")) else (last,)
 
 
 def meshes(gpus: int, heads: int, seq: int, gpus_per_node: int) -> List[dict]:
@@ -49,8 +73,9 @@ def meshes(gpus: int, heads: int, seq: int, gpus_per_node: int) -> List[dict]:
 class Progress:
     """A one-line progress bar on stderr."""
 
-    def __init__(self, total: int, stream=sys.stderr) -> None:
-        self.total, self.done, self.stream = max(1, total), 0, stream
+    def __init__(self, total: int, stream: Optional[Any] = None) -> None:
+        # sys.stderr looked up now, not at import (a caller may have redirected it since)
+        self.total, self.done, self.stream = max(1, total), 0, stream or sys.stderr
 
     def step(self, label: str) -> None:
         self.done += 1
@@ -63,66 +88,107 @@ class Progress:
         self.stream.write("\n")
 
 
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
+_SPLIT = ("vocab_size", "intermediate_size", "hidden_size", "num_attention_heads", "num_key_value_heads")
+
+
 class Searcher:
     def __init__(self, model: str, seq: int, gpus: int, device: str, gpus_per_node: int = 8, batch: int = 1,
                  memory_gib: Optional[float] = None, dtype: str = "bfloat16",
-                 layers: Optional[int] = None) -> None:
+                 layers: Optional[int] = None, master_dtype: Optional[str] = None,
+                 reduce_dtype: Optional[str] = None) -> None:
         from hyper_parallel.plan.dry_run import dry_run
         self._dry_run = dry_run
         self.model, self.seq, self.gpus, self.device = model, seq, gpus, device
         self.gpus_per_node, self.batch, self.dtype = gpus_per_node, batch, dtype
+        self.master_dtype, self.reduce_dtype = master_dtype, reduce_dtype
         self.memory = memory_gib * 2 ** 30 if memory_gib is not None else None
         config, _ = load_config(model, dtype)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.heads, self.total_layers = int(text.num_attention_heads), int(text.num_hidden_layers)
+        self.experts = next((int(getattr(text, n)) for n in _EXPERTS if getattr(text, n, None)), 0)
+        self.sizes = [int(getattr(text, n)) for n in _SPLIT if isinstance(getattr(text, n, None), int)]
         self.period = layers or layer_period(model)
         self._cache = {}
         self.refused = []
 
-    def _run(self, mesh: dict, mode, features, layers: int):
-        rank = math.prod(mesh.values()) - 1
-        key = (tuple(mesh.items()), mode, features, layers, rank)
+    def _run(self, mesh: dict, mode, features, layers: int, rank: int, ep):
+        key = (tuple(mesh.items()), mode, features, layers, rank, ep)
         if key not in self._cache:
-            build, _ = model_fn(self.model, layers=layers, dtype=self.dtype)
+            build, _ = model_fn(self.model, layers=layers, dtype=self.master_dtype or self.dtype)
+            extra = {"ep": ep} if ep else {}
+            if self.master_dtype:
+                extra.update(param_dtype=self.dtype, reduce_dtype=self.reduce_dtype)
             self._cache[key] = self._dry_run(build, tuple(mesh.values()), tuple(mesh), rank=rank,
                                              seq_len=self.seq, batch=self.batch, cp_mode=mode,
-                                             features=features, model_name=self.model)
+                                             features=features, model_name=self.model, **extra)
         return self._cache[key]
 
-    def evaluate(self, mesh: dict, mode) -> Optional[dict]:
-        """The first rung of the feature ladder that fits (or the last one tried), predicted."""
+    def _roles(self, mesh: dict, mode) -> Tuple[int, ...]:
+        tp = mesh.get("tp", 1)
+        return roles(mesh, mode, any(n % tp for n in self.sizes))
+
+    def evaluate(self, mesh: dict, mode, ep=None) -> Optional[dict]:
+        """The first rung of the feature ladder that fits (or the last one tried), predicted: the
+        peak is the largest of the rank roles' (``roles``), the step time the slowest role's."""
         result = None
         for features in FEATURE_LADDER:
             try:
-                report = scaled_dry_run(lambda n: self._run(mesh, mode, features, n), self.period,
-                                        self.total_layers)
+                if features != FEATURE_LADDER[-1] and self._exceeds_at_k(mesh, mode, features, ep):
+                    continue
             except (ValueError, NotImplementedError) as error:
-                self.refused.append((mesh, mode, features, str(error).splitlines()[0][:200]))
+                self.refused.append((_label(mesh, ep), mode, features, str(error).splitlines()[0][:200]))
                 return result
-            p = predict(report, self.device, self.gpus_per_node, memory_bytes=self.memory)
-            result = {"mesh": dict(mesh), "cp_mode": mode, "features": list(features),
-                      "peak_memory_bytes": report.peak_memory_bytes, "fits": p["fits"],
-                      "step_seconds": p["step_seconds"], "tokens_per_second_per_device":
-                      p["tokens_per_second_per_device"], "mfu": p["mfu"], "_prediction": p}
-            if p["fits"]:
+            predictions = []
+            for rank in self._roles(mesh, mode):
+                try:
+                    report = scaled_dry_run(lambda n: self._run(mesh, mode, features, n, rank, ep),
+                                            self.period, self.total_layers)
+                except (ValueError, NotImplementedError) as error:
+                    self.refused.append((_label(mesh, ep), mode, features, str(error).splitlines()[0][:200]))
+                    return result
+                predictions.append((report, predict(report, self.device, self.gpus_per_node,
+                                                    memory_bytes=self.memory)))
+            peak = max(r.peak_memory_bytes for r, _ in predictions)
+            p = max((p for _, p in predictions), key=lambda q: q["step_seconds"])
+            fits = all(q["fits"] for _, q in predictions)
+            result = {"mesh": _label(mesh, ep), "cp_mode": mode, "features": list(features),
+                      "peak_memory_bytes": peak, "fits": fits, "step_seconds": p["step_seconds"],
+                      "tokens_per_second_per_device": p["tokens_per_second_per_device"], "mfu": p["mfu"],
+                      "_prediction": p, "_ep": ep}
+            if fits:
                 return result
         return result
 
-    def run(self, all_modes: bool = False, progress: bool = True, only: Optional[dict] = None) -> dict:
-        """``only``: {"tp": [...], "cp": [...], "modes": [...]} restricts the enumeration."""
+    def _exceeds_at_k(self, mesh: dict, mode, features, ep) -> bool:
+        """Pruning by the first dry run: the model cut to k layers already peaks above the usable
+        memory, so the whole model (more layers, never less memory) does not fit either; the 2k-layer
+        run is skipped and the next rung of the ladder tried."""
+        capacity = self.memory if self.memory is not None else DEVICES.get(self.device, {}).get("memory")
+        if capacity is None or self.total_layers <= 2 * self.period:
+            return False
+        return any(not fits(self._run(mesh, mode, features, self.period, rank, ep).peak_memory_bytes,
+                            capacity) for rank in self._roles(mesh, mode))
+
+    def plans(self, all_modes: bool = False, only: Optional[dict] = None) -> list:
+        """(mesh, cp mode, ep dims) to evaluate; ``only``: {"tp": [...], "cp": [...], "modes": [...]}."""
         only = only or {}
         modes = only.get("modes") or (ALL_MODES if all_modes else DEFAULT_MODES)
-        plans = [(m, mode) for m in meshes(self.gpus, self.heads, self.seq, self.gpus_per_node)
-                 if all(not only.get(d) or m[d] in only[d] for d in ("tp", "cp"))
-                 for mode in (modes if m["cp"] > 1 else (None,))]
+        return [(m, mode, ep) for m in meshes(self.gpus, self.heads, self.seq, self.gpus_per_node)
+                if all(not only.get(d) or m[d] in only[d] for d in ("tp", "cp"))
+                for ep in expert_options(m, self.experts)
+                for mode in (modes if m["cp"] > 1 else (None,))]
+
+    def run(self, all_modes: bool = False, progress: bool = True, only: Optional[dict] = None) -> dict:
+        plans = self.plans(all_modes, only)
         bar = Progress(len(plans)) if progress else None
         found = []
-        for mesh, mode in plans:
-            result = self.evaluate(mesh, mode)
+        for mesh, mode, ep in plans:
+            result = self.evaluate(mesh, mode, ep)
             if result is not None:
                 found.append(result)
             if bar:
-                bar.step(f"{mesh} {mode or ''}")
+                bar.step(f"{_label(mesh, ep)} {mode or ''}")
         if bar:
             bar.close()
         # by time per token: candidates with more data-parallel ranks train more tokens per step
@@ -130,6 +196,11 @@ class Searcher:
         best = found[0] if found and found[0]["fits"] else None
         return {"model": self.model, "seq": self.seq, "gpus": self.gpus, "device": self.device, "best": best,
                 "candidates": found}
+
+
+def _label(mesh: dict, ep) -> dict:
+    """The candidate's mesh as reported: the mesh dims, plus ``ep``: the expert-parallel degree."""
+    return dict(mesh, ep=math.prod(mesh.get(d, 1) for d in ep)) if ep else dict(mesh)
 
 
 def public(result: dict) -> dict:
@@ -155,7 +226,8 @@ def why(result: dict) -> str:
 
 def _mesh_text(c: dict) -> str:
     mesh = " ".join(f"{k}={v}" for k, v in c["mesh"].items() if v > 1) or "1 rank"
-    return mesh + (f" {c['cp_mode']}" if c["cp_mode"] else "")
+    ep = c.get("_ep")
+    return mesh + (f"({'+'.join(ep)})" if ep else "") + (f" {c['cp_mode']}" if c["cp_mode"] else "")
 
 
 def table(result: dict) -> str:

@@ -5,6 +5,7 @@ torch and MindSpore share one definition of every backward. Each backward is the
 of its forward, run on a contiguous gradient: gloo returns wrong results (all-gather) or refuses
 (all-to-all) for non-contiguous inputs, and MindSpore's kernels read the storage as laid out.
 """
+from typing import Any
 
 
 def _all_gather_forward(ctx, tensor, platform, group, dim):
@@ -88,22 +89,22 @@ _DEFINITIONS = {
 class DifferentiableCollectives:
     """The five differentiable collectives of one platform (its autograd functions, built once)."""
 
-    def __init__(self, platform):
+    def __init__(self, platform: Any) -> None:
         self._platform = platform
         self._fns = {key: platform.make_autograd_function(name, forward, backward)
                      for key, (name, forward, backward) in _DEFINITIONS.items()}
 
-    def all_gather(self, tensor, group, dim=0):
+    def all_gather(self, tensor: Any, group: Any, dim: int = 0) -> Any:
         return self._fns["all_gather"](tensor, self._platform, group, dim)
 
-    def reduce_scatter(self, tensor, group, dim=0):
+    def reduce_scatter(self, tensor: Any, group: Any, dim: int = 0) -> Any:
         return self._fns["reduce_scatter"](tensor, self._platform, group, dim)
 
-    def all_to_all(self, tensor, group, split_dim, concat_dim):
+    def all_to_all(self, tensor: Any, group: Any, split_dim: Any, concat_dim: Any) -> Any:
         return self._fns["all_to_all"](tensor, self._platform, group, split_dim, concat_dim)
 
-    def all_reduce(self, tensor, group, op="sum", backward="sum"):
+    def all_reduce(self, tensor: Any, group: Any, op: str = "sum", backward: str = "sum") -> Any:
         return self._fns["all_reduce"](tensor, self._platform, group, op, backward)
 
-    def p2p_exchange(self, tensor, send_to, recv_from, group=None):
+    def p2p_exchange(self, tensor: Any, send_to: Any, recv_from: Any, group: Any = None) -> Any:
         return self._fns["p2p_exchange"](tensor, self._platform, send_to, recv_from, group)

@@ -1,16 +1,17 @@
 """Handles of asynchronous collectives (``async_op=True``)."""
+from typing import Any
 
 
 class AsyncHandle:
     """Result of an ``async_op=True`` collective: ``wait()`` returns the output tensor(s)."""
 
-    def __init__(self, works, finish):
+    def __init__(self, works: Any, finish: Any) -> None:
         self._works = list(works)
         self._finish = finish
         self._result = None
         self._done = False
 
-    def wait(self):
+    def wait(self) -> Any:
         if not self._done:
             for work in self._works:
                 work.wait()
@@ -22,5 +23,5 @@ class AsyncHandle:
 class CompletedHandle(AsyncHandle):
     """An async handle for work that already finished (emulated collectives run eagerly)."""
 
-    def __init__(self, result):
+    def __init__(self, result: Any) -> None:
         super().__init__((), lambda: result)

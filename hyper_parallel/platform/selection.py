@@ -1,4 +1,5 @@
 """Choosing the platform from the environment, once per process."""
+from typing import Any
 import importlib
 import importlib.util
 import os
@@ -59,7 +60,7 @@ def _create(name):
     return getattr(module, class_name)()
 
 
-def get_platform():
+def get_platform() -> Any:
     """The process-wide platform, created on first use."""
     global _platform
     if _platform is None:
@@ -69,16 +70,16 @@ def get_platform():
     return _platform
 
 
-_on_reset = []
+_on_reset: list[Any] = []
 
 
-def on_reset(callback):
+def on_reset(callback: Any) -> None:
     """Call ``callback()`` at every ``reset_platform()``: caches of values built for one platform
     (core's bounded caches) empty themselves there, without platform/ importing them."""
     _on_reset.append(callback)
 
 
-def reset_platform():
+def reset_platform() -> None:
     """Forget the cached platform (tests that switch HP_PLATFORM use this) and everything cached
     for it."""
     global _platform

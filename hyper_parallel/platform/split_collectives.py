@@ -17,6 +17,7 @@ Kinds (``dims``): ``"all_to_all"`` (split_dim, concat_dim; adjoint: the inverse 
 ``"all_gather"`` (dim,; adjoint: a reduce-scatter sum). ``observer(event)``, if given, hears
 "start", "wait", "grad_start" and "grad_wait" when they happen (tests check the overlap order).
 """
+from typing import Any
 import weakref
 
 KINDS = ("all_to_all", "all_gather")
@@ -42,16 +43,16 @@ def _launch(platform, kind, tensor, group, dims, adjoint):
 class PendingCollective:
     """One collective in flight (forward) and, later, its gradient's (backward)."""
 
-    def __init__(self, platform, kind, group, dims, observer=None):
+    def __init__(self, platform: Any, kind: Any, group: Any, dims: Any, observer: Any = None) -> None:
         self.platform, self.kind, self.group, self.dims = platform, kind, group, tuple(dims)
         self.observer = observer
         self.handle = self.grad_handle = self.token = self.result = None   # no tensor kept after use
 
-    def notify(self, event):
+    def notify(self, event: Any) -> None:
         if self.observer is not None:
             self.observer(event)
 
-    def wait(self):
+    def wait(self) -> Any:
         """The collective's result (differentiable); call once."""
         token, self.token = self.token, None
         return _functions(self.platform)[1](token, self)
@@ -102,7 +103,7 @@ def _functions(platform):
     return functions
 
 
-def start(platform, kind, tensor, group, dims, observer=None):
+def start(platform: Any, kind: Any, tensor: Any, group: Any, dims: Any, observer: Any = None) -> Any:
     """Launch ``kind`` on ``tensor`` asynchronously; the returned pending's ``wait()`` finishes it."""
     _check(kind, dims)
     pending = PendingCollective(platform, kind, group, dims, observer)
@@ -113,7 +114,8 @@ def start(platform, kind, tensor, group, dims, observer=None):
 class SplitCollectivesContract:
     """The platform member of split collectives (a base of ``Platform``, see base.py)."""
 
-    def start_differentiable_collective(self, kind, tensor, group, dims, observer=None):
+    def start_differentiable_collective(self, kind: Any, tensor: Any, group: Any, dims: Any,
+                                        observer: Any = None) -> Any:
         """Launch the differentiable collective ``kind`` ("all_to_all" with dims (split_dim,
         concat_dim), "all_gather" with (dim,)) asynchronously; the returned pending's ``wait()``
         gives the result, and backward overlaps the same way."""

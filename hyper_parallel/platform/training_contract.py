@@ -1,16 +1,54 @@
 """The training-loop part of the platform contract (``Platform`` in base.py inherits it).
 
-Data parallel and layout checkpoints on a framework whose training step receives the gradients as
-one tuple (MindSpore's ``TrainOneStepCell``) instead of through per-parameter hooks; the defaults
-are those of a framework without that path (torch).
+The gradient reducer's members (core/data_parallel/reducer.py, for data_parallel and fully_shard on
+every platform): how gradients become ready (per-parameter hooks on torch; one tuple handed to the
+training step's ``grad_reducer`` on MindSpore), tensor sizes, and the flat buffer one collective
+reduces. Layout checkpoints on such a framework; the defaults are those of torch.
 """
+import math
+from typing import Any, Callable, List, Sequence
 
 
 def unavailable(what, platform):
     return NotImplementedError(f"{what} is not available on the {platform.name} platform")
 
 
-class ShardedDataParallelContract:
+class GradientReducerContract:
+    """Declared members of the one gradient reducer (core/data_parallel/reducer.py)."""
+
+    # True: gradients become ready all at once, as the tuple a training step hands its grad_reducer
+    # (install_grad_reducer); False: one by one, through register_grad_ready_hooks (base.py)
+    gradients_as_tuple = False
+
+    def install_grad_reducer(self, cell, reduce_fn: Callable, who: str) -> bool:
+        """Make ``reduce_fn(grads) -> grads`` the gradient reducer of a training-step module (the
+        "gradients ready" event of a tuple-gradient framework); False where ``cell`` has none."""
+        raise unavailable("install_grad_reducer", self)
+
+    def tensor_nbytes(self, tensor) -> int:
+        """Bytes of ``tensor``'s elements (bucket sizes), from its shape and the framework's element size."""
+        platform: Any = self   # a Platform: dtype_itemsize is declared in compute_state_contract.py
+        return math.prod(int(s) for s in tuple(tensor.shape)) * platform.dtype_itemsize(tensor.dtype)
+
+    def pack_flat(self, tensors: Sequence, extra: Sequence[float] = ()):
+        """One 1-D buffer: every tensor flattened, in order, then ``extra`` (flag values) in their dtype."""
+        platform: Any = self   # a Platform: tensor and cat are declared in base.py
+        pieces = [t.reshape(-1) for t in tensors]
+        if extra:
+            pieces.append(platform.tensor(list(extra), dtype=tensors[0].dtype, device=tensors[0].device))
+        return platform.cat(pieces, 0)
+
+    def unpack_flat(self, flat, shapes: Sequence[tuple]) -> List:
+        """The tensors ``pack_flat`` packed, as views of ``flat`` in ``shapes`` (what follows is ignored)."""
+        out, offset = [], 0
+        for shape in shapes:
+            n = math.prod(shape)
+            out.append(flat[offset:offset + n].reshape(tuple(shape)))
+            offset += n
+        return out
+
+
+class ShardedDataParallelContract(GradientReducerContract):
     """Declared members fully_shard uses (core/fully_shard; torch: platform/torch/fully_shard_support.py)."""
 
     def free_storage(self, tensor):
@@ -57,16 +95,9 @@ class ShardedDataParallelContract:
 class TrainingLoopContract(ShardedDataParallelContract):
     """Declared members of the training loop (MindSpore: training.py implements them)."""
 
-    # gradients reach the training step as a tuple (core: data_parallel_tuple), not through hooks
-    gradients_as_tuple = False
-
     @staticmethod
     def check_execution_mode(who):
         """Raise, naming ``who``, where the framework's current mode cannot run hyper_parallel."""
-
-    def install_grad_reducer(self, cell, reduce_fn, who):
-        """Make ``reduce_fn(grads) -> grads`` the gradient reducer of a training-step module."""
-        raise unavailable("install_grad_reducer", self)
 
     def forward_backward(self, fn, inputs):
         """Run ``fn(*inputs)`` on the inputs taken as new leaves, and its backward seeded with ones
@@ -101,4 +132,3 @@ class TrainingLoopContract(ShardedDataParallelContract):
     def assign_parameter(self, param, array):
         """Overwrite ``param``'s values in place from a numpy array."""
         raise unavailable("assign_parameter", self)
-

@@ -8,10 +8,11 @@ reaches past the block, so the kernel's own top-left causal mask is exact) or ``
 mask from the positions). Every context-parallel mode asks this one function, so a block that lies
 wholly outside the window is skipped the same way in all of them.
 """
+from typing import Any
 from hyper_parallel.platform import get_platform
 
 
-def relation(q_start, q_len, k_start, k_len, causal, window):
+def relation(q_start: Any, q_len: Any, k_start: Any, k_len: Any, causal: Any, window: Any) -> str:
     """``skip`` / ``full`` / ``diag`` / ``mask`` for queries [q_start, +q_len) and keys [k_start, +k_len)."""
     if q_len <= 0 or k_len <= 0:
         return "skip"
@@ -28,19 +29,20 @@ def relation(q_start, q_len, k_start, k_len, causal, window):
     return "mask"
 
 
-def band_mask(q_start, q_len, k_start, k_len, causal, window, device):
+def band_mask(q_start: Any, q_len: Any, k_start: Any, k_len: Any, causal: Any, window: Any,
+              device: Any) -> Any:
     """Boolean (1, 1, q_len, k_len), True where query q_start + i may see key k_start + j."""
     platform = get_platform()
     rows = (platform.arange(q_len, device=device) + q_start).reshape((q_len, 1))
     cols = (platform.arange(k_len, device=device) + k_start).reshape((1, k_len))
-    allowed = cols <= rows if causal else None
+    allowed: Any = cols <= rows if causal else None
     if window is not None:
         inside = cols > rows - window
         allowed = inside if allowed is None else allowed & inside
     return allowed.reshape((1, 1, q_len, k_len))
 
 
-def key_cuts(q_start, q_len, k_len, window):
+def key_cuts(q_start: Any, q_len: Any, k_len: Any, window: Any) -> Any:
     """Cut points of keys [0, k_len) for queries [q_start, +q_len): at the queries' first position
     (the keys before them form one block, the diagonal starts the next) and, with a window, at the
     first key any of them can see, so the keys before it form a block that ``relation`` skips."""

@@ -13,6 +13,7 @@ A tile covers global query positions [q0, q0+ql) and key positions [k0, k0+kl) o
 The decisions are computed where the ids live (on the CPU when the caller follows the advice in
 masks.py), and only a ``masked`` tile's mask moves to the device of q.
 """
+from typing import Any
 from dataclasses import dataclass
 
 from hyper_parallel.core.attention.band import band_mask, relation
@@ -24,11 +25,11 @@ class Span:
     length: int
 
     @property
-    def stop(self):
+    def stop(self) -> Any:
         return self.start + self.length
 
 
-def spans(span, size):
+def spans(span: Any, size: Any) -> Any:
     """``span`` cut into consecutive tiles of at most ``size`` positions."""
     return [Span(s, min(size, span.stop - s)) for s in range(span.start, span.stop, size)]
 
@@ -72,7 +73,7 @@ def _visible(masks, rows, q, k, causal, window=None):
     return by_causal, mask, triangle
 
 
-def tile_kind(masks, rows, q, k, causal, window=None):
+def tile_kind(masks: Any, rows: Any, q: Any, k: Any, causal: Any, window: Any = None) -> str:
     """The kind of one tile (the tile's mask is built to decide, then dropped: see ``tile_mask``)."""
     by_causal, mask, triangle = _visible(masks, rows, q, k, causal, window)
     if by_causal == "skip":
@@ -86,7 +87,7 @@ def tile_kind(masks, rows, q, k, causal, window=None):
     return "masked"
 
 
-def tile_mask(masks, rows, q, k, causal, window=None):
+def tile_mask(masks: Any, rows: Any, q: Any, k: Any, causal: Any, window: Any = None) -> Any:
     """The (nb, 1, ql, kl) mask of a ``masked`` tile, built again where the kernel runs the tile, so
     no more than one tile's mask is alive at a time."""
     return _visible(masks, rows, q, k, causal, window)[1].unsqueeze(1)

@@ -4,6 +4,8 @@ from it), skipped, causal on the diagonal, or under the band's positional mask (
 The ring loop that drives it is core/context_parallel/ring/ring_attention.py; the masked kernel for
 documents and padding is masked_ring.py's ``MaskedBlocks``.
 """
+from typing import Any
+
 from hyper_parallel.core.attention.band import band_mask, relation
 from hyper_parallel.core.attention.lse import clear_empty_rows, merge, merge_blocks
 from hyper_parallel.core.attention.masked_attention import empty_result
@@ -21,7 +23,7 @@ class CausalBlocks:
     empty = staticmethod(empty_result)   # never needed: every query chunk sees its own chunk
     repeats_kv = True                    # GQA: the whole K/V block is repeated to the query heads
 
-    def __init__(self, causal, scale, softcap=None, window=None):
+    def __init__(self, causal: Any, scale: Any, softcap: Any = None, window: Any = None) -> None:
         self.causal, self.scale, self.softcap, self.window = causal, scale, softcap, window
         # a window can leave a row without keys in one chunk: the -inf-safe merge
         self.merge = merge_blocks if window is None else merge
@@ -35,7 +37,7 @@ class CausalBlocks:
         return band_mask(q_span.start, q_span.length, k_span.start, k_span.length, self.causal, self.window,
                          q.device)
 
-    def forward(self, q, k, v, q_span, k_span):
+    def forward(self, q: Any, k: Any, v: Any, q_span: Any, k_span: Any) -> Any:
         kind = self._relation(q_span, k_span)
         if kind == "skip":
             return None
@@ -45,7 +47,8 @@ class CausalBlocks:
                                                           softcap=self.softcap)
         return (out, lse) if mask is None else clear_empty_rows(out, lse, mask)
 
-    def backward(self, grad_out, q, k, v, out, lse, q_span, k_span):
+    def backward(self, grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, q_span: Any,
+                 k_span: Any) -> Any:
         kind = self._relation(q_span, k_span)
         if kind == "skip":
             return None

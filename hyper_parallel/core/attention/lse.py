@@ -9,11 +9,12 @@ lse'). The gradients of q, k, v are then those of the blocks computed with the f
 (the sink adds nothing else to them); the sink's own gradient is its score gradient p·(dp - Δ) with
 dp = 0 (value 0): dσ_h = -Σ over batch and rows of e^(σ_h - lse')·(dO·O').
 """
+from typing import Any
 
 NEG_INF = float("-inf")
 
 
-def merge(acc, out, lse):
+def merge(acc: Any, out: Any, lse: Any) -> Any:
     """Two partial attentions over disjoint keys; rows where both saw nothing stay (0, -inf)."""
     out = out.to(lse.dtype)
     if acc is None:
@@ -29,7 +30,7 @@ def merge(acc, out, lse):
     return acc_out * w_acc + out * w_new, new
 
 
-def clear_empty_rows(out, lse, mask):
+def clear_empty_rows(out: Any, lse: Any, mask: Any) -> Any:
     """A block kernel's result with the rows its boolean ``mask`` left without a key set to
     (0, -inf) (the fused kernels leave such rows unspecified)."""
     empty = ~mask.any(-1)
@@ -40,7 +41,7 @@ def _per_head(sinks, lse):
     return sinks.to(lse.dtype).reshape((1, -1, 1))
 
 
-def fold_sinks(out, lse, sinks):
+def fold_sinks(out: Any, lse: Any, sinks: Any) -> Any:
     """(out', lse') with the per-head sink logits ``sinks`` (this block's heads) in the denominator."""
     sink = _per_head(sinks, lse)
     top = lse.maximum(sink)   # finite: the sink logits are
@@ -48,14 +49,14 @@ def fold_sinks(out, lse, sinks):
     return out.to(lse.dtype) * (lse - new).exp().unsqueeze(-1), new
 
 
-def sinks_grad(grad_out, out, lse, sinks):
+def sinks_grad(grad_out: Any, out: Any, lse: Any, sinks: Any) -> Any:
     """dσ of the rows held here (summed over batch and rows), from the folded (out', lse')."""
     delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
     weight = (_per_head(sinks, lse) - lse).exp()
     return -(weight * delta).sum(0).sum(-1).to(sinks.dtype)
 
 
-def merge_blocks(acc, out, lse):
+def merge_blocks(acc: Any, out: Any, lse: Any) -> Any:
     """Combine two partial attentions over disjoint keys by their log-sum-exp."""
     if acc is None:
         return out.to(lse.dtype), lse

@@ -7,6 +7,7 @@ log-sum-exp; skipped tiles cost nothing. ``forward`` returns (out, lse) with lse
 on rows that see no key, so blocks from other ranks (ring steps) merge in safely; ``backward``
 recomputes each tile's gradients from the final (out, lse) of its rows.
 """
+from typing import Any
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.attention.block_masks import Span, spans, tile_kind, tile_mask
 from hyper_parallel.core.attention.offset_causal import expand_heads, fold_heads
@@ -29,7 +30,7 @@ def _key_tiles(q_tiles, k_span, size):
     return out
 
 
-def plan(masks, rows, q_span, k_span, causal, window=None):
+def plan(masks: Any, rows: Any, q_span: Any, k_span: Any, causal: Any, window: Any = None) -> Any:
     """[(query tile, [(key tile, kind)])], skipped key tiles left out. Only the kinds are kept (a few
     bytes per tile): a ``masked`` tile's mask is rebuilt from the ids where it is used, so a call holds
     one tile's mask at a time, not every partial tile's (O(B·S·block) over a Ulysses rank's S)."""
@@ -60,7 +61,8 @@ def _lse_dtype(q):
     return ref.double().dtype if q.dtype == ref.double().dtype else ref.float().dtype
 
 
-def forward(q, k, v, masks, rows, q_span, k_span, causal, scale, softcap=None, window=None):
+def forward(q: Any, k: Any, v: Any, masks: Any, rows: Any, q_span: Any, k_span: Any, causal: Any, scale: Any,
+            softcap: Any = None, window: Any = None) -> Any:
     """(out in float32/64, lse) of q's rows over k/v's keys; None when the masks leave no key
     visible to any row (nothing was computed). ``softcap``: scores soft-capped (the block kernels');
     ``window``: the sliding window on top of ``causal`` (block_masks.py)."""
@@ -93,8 +95,8 @@ def forward(q, k, v, masks, rows, q_span, k_span, causal, scale, softcap=None, w
     return (outs[0], lses[0]) if len(outs) == 1 else (cat(outs, SEQ), cat(lses, SEQ))
 
 
-def backward(grad_out, q, k, v, out, lse, masks, rows, q_span, k_span, causal, scale, softcap=None,
-             window=None):
+def backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, masks: Any, rows: Any, q_span: Any,
+             k_span: Any, causal: Any, scale: Any, softcap: Any = None, window: Any = None) -> Any:
     """(dq, dk, dv) in the accumulation dtype (lse's) for one q block against one k/v block; None
     when the masks leave no key visible to any row."""
     platform = get_platform()
@@ -104,7 +106,9 @@ def backward(grad_out, q, k, v, out, lse, masks, rows, q_span, k_span, causal, s
     if not any(keys for _, keys in tiles):
         return None
     live_lse = lse.masked_fill(lse == NEG_INF, 0.0)   # rows seeing nothing: every score is masked anyway
-    dq, dk, dv = [], {}, {}
+    dq: list[Any] = []
+    dk: dict[Any, Any] = {}
+    dv: dict[Any, Any] = {}
     for q_tile, keys in tiles:
         qt, gt, ot = (_narrow(t, q_tile, q_span) for t in (q, grad_out, out))
         lt = live_lse.narrow(SEQ, q_tile.start - q_span.start, q_tile.length)
@@ -145,7 +149,7 @@ def _zeros(like, length, dtype):
     return like.new_zeros(tuple(shape), dtype=dtype)
 
 
-def empty_result(q, v):
+def empty_result(q: Any, v: Any) -> Any:
     """(out, lse) of rows that see no key: 0 and -inf (torch's SDPA gives 0 for a fully masked row)."""
     shape = tuple(q.shape[:-1])
     dtype = _lse_dtype(q)
@@ -179,8 +183,8 @@ def _autograd_backward(ctx, grad_out):
 _MASKED_ATTENTION = lazy_autograd_function("MaskedBlockAttention", _autograd_forward, _autograd_backward)
 
 
-def masked_attention(q, k, v, masks, rows, q_span, k_span, causal, scale, softcap=None, sinks=None,
-                     window=None):
+def masked_attention(q: Any, k: Any, v: Any, masks: Any, rows: Any, q_span: Any, k_span: Any, causal: Any,
+                     scale: Any, softcap: Any = None, sinks: Any = None, window: Any = None) -> Any:
     """Differentiable masked attention of q (rows ``q_span``) on k/v (keys ``k_span``); ``softcap``
     ``sinks`` (one logit per head of q) and ``window`` as ``hyper_parallel.attention``'s."""
     return _MASKED_ATTENTION(q, k, v, sinks, masks, rows, q_span, k_span, causal, scale, softcap, window)

@@ -16,6 +16,7 @@ Layouts (N1 query heads = ``head_num``, N2 key/value heads, D head dim)::
 
 ``softmax_max`` / ``softmax_sum`` are fp32 (B, N1, Sq, 8), in TND (T, N1, 8).
 """
+from typing import Any
 INT_MAX = 2147483647
 _PARAMS = ("query", "key", "value", "head_num", "input_layout", "pse", "padding_mask", "atten_mask",
            "scale", "keep_prob", "pre_tockens", "next_tockens", "inner_precise", "prefix",
@@ -32,7 +33,7 @@ class NpuAttentionArgs:
     """The call's arguments by name; ``given`` are the names the caller passed (only those, and
     the ones the rule changes, are passed on, so the kernel's own defaults stay in charge)."""
 
-    def __init__(self, args, kwargs):
+    def __init__(self, args: Any, kwargs: Any) -> None:
         self.values, self.given, self.extra = dict(_DEFAULTS), [], {}
         for name, value in zip(_PARAMS, args):
             self.values[name] = value
@@ -51,7 +52,7 @@ class NpuAttentionArgs:
     def __getitem__(self, name):
         return self.values.get(name)
 
-    def replaced(self, **changes):
+    def replaced(self, **changes: Any) -> Any:
         out = NpuAttentionArgs((), {})
         out.values, out.given, out.extra = dict(self.values), list(self.given), dict(self.extra)
         for name, value in changes.items():
@@ -60,14 +61,14 @@ class NpuAttentionArgs:
                 out.given.append(name)
         return out
 
-    def call(self, func):
+    def call(self, func: Any) -> Any:
         head = [self.values[n] for n in _PARAMS[:5]]
         kwargs = {n: self.values[n] for n in _PARAMS[5:] if n in self.given}
         kwargs.update(self.extra)
         return func(*head, **kwargs)
 
 
-def as_int_list(value):
+def as_int_list(value: Any) -> Any:
     """A list of ints from a list, tuple or tensor (``actual_seq_*len``); None stays None."""
     if value is None:
         return None
@@ -76,7 +77,7 @@ def as_int_list(value):
     return [int(x) for x in value]
 
 
-def packed_sequence_ends(a, geo):
+def packed_sequence_ends(a: Any, geo: Any) -> Any:
     """(actual_seq_qlen, actual_seq_kvlen) as int lists, or ValueError unless they are cumulative
     sequence ends of equal length covering q's and k/v's T exactly."""
     cq, ckv = as_int_list(a["actual_seq_qlen"]), as_int_list(a["actual_seq_kvlen"])
@@ -93,11 +94,12 @@ def packed_sequence_ends(a, geo):
 class NpuAttentionGeometry:
     """Dims and sizes of one call: which q/k dim is batch, sequence and heads; N1, N2, D, Sq, Skv."""
 
-    def __init__(self, layout, q_shape, k_shape, head_num):
+    def __init__(self, layout: Any, q_shape: Any, k_shape: Any, head_num: Any) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"npu_fusion_attention: input_layout {layout!r} is not one of "
                              f"{', '.join(LAYOUTS)}")
         self.layout = layout
+        self.batch: Any
         self.batch, self.seq, self.head, packed = LAYOUTS[layout]
         if len(q_shape) != (3 if layout in ("BSH", "SBH", "TND") else 4) or len(k_shape) != len(q_shape):
             raise ValueError(f"npu_fusion_attention: query {tuple(q_shape)} / key {tuple(k_shape)} do not "
@@ -125,13 +127,13 @@ class NpuAttentionGeometry:
                              f"the head dim {self.d} ({self.layout})")
         self.n2 = k_shape[2] // self.d
 
-    def stats_shape(self):
+    def stats_shape(self) -> Any:
         """Shape of softmax_max / softmax_sum."""
         if self.layout == "TND":
             return (self.sq, self.n1, 8)
         return (self.q_shape[self.batch], self.n1, self.sq, 8)
 
-    def stats_dim(self, dim):
+    def stats_dim(self, dim: Any) -> Any:
         """The softmax_max/sum dim that a q tensor dim maps to."""
         if self.layout == "TND":
             return {0: 0, 1: 1}.get(dim)

@@ -21,11 +21,13 @@ In TND the same is done per packed sequence and ``actual_seq_qlen`` / ``actual_s
 rebuilt for the local rows; sequences that need different band parameters run as a few kernel
 calls whose outputs are concatenated along T.
 """
+from typing import Any
+
 from hyper_parallel.core.attention.npu_args import INT_MAX, as_int_list
 from hyper_parallel.platform import get_platform
 
 
-def local_band(mode, pre, nxt, has_mask, o, lq, sq, skv):
+def local_band(mode: Any, pre: Any, nxt: Any, has_mask: Any, o: Any, lq: Any, sq: Any, skv: Any) -> Any:
     """Rewrite one (sq x skv) attention problem for its query rows [o, o+lq).
 
     Returns (k0, k1, mode, pre, next): the keys [k0, k1) the rows may see and the kernel
@@ -67,14 +69,14 @@ def _cap(x):
     return min(int(x), INT_MAX)
 
 
-def narrow(t, dim, start, length):
+def narrow(t: Any, dim: Any, start: Any, length: Any) -> Any:
     """A slice as a contiguous tensor (the NPU kernel wants dense inputs)."""
     if start == 0 and length == t.shape[dim]:
         return t
     return t.narrow(dim, start, length).contiguous()
 
 
-def empty_rows_call(func, a, seq=None):
+def empty_rows_call(func: Any, a: Any, seq: Any = None) -> Any:
     """The result for query rows that see no key, from a call with valid arguments only: the rows
     attend one key with no mask (sparse_mode 0, default pre/next; in TND the caller has already
     cut every sequence to one key), then the output is 0 and the statistics are those of an empty
@@ -93,7 +95,7 @@ def empty_rows_call(func, a, seq=None):
     return tuple(fixed) + tuple(result[3:])
 
 
-def call_dense_rows(func, a, geo, mode, r0, rows):
+def call_dense_rows(func: Any, a: Any, geo: Any, mode: Any, r0: Any, rows: Any) -> Any:
     """The kernel call for query rows [r0, r0+rows) of a BSH/SBH/BSND/BNSD problem."""
     band = local_band(mode, int(a["pre_tockens"]), int(a["next_tockens"]),
                       a["atten_mask"] is not None, r0, rows, geo.sq, geo.skv)
@@ -118,7 +120,7 @@ def call_dense_rows(func, a, geo, mode, r0, rows):
     return a.replaced(**changes).call(func)
 
 
-def call_tnd_rows(func, a, mode, r0, rows):
+def call_tnd_rows(func: Any, a: Any, mode: Any, r0: Any, rows: Any) -> Any:
     """TND with query rows [r0, r0+rows) of the packed batch: per sequence, its local rows, the
     keys they see and the band; sequences with equal kernel arguments share one call."""
     cq = as_int_list(a["actual_seq_qlen"])

@@ -8,13 +8,14 @@ own tokens with ``actual_seq_qlen`` / ``actual_seq_kvlen`` rebased to its range 
 the range, minus its start). A range that cuts a sequence would silently drop the keys on the
 other rank, so it is a ValueError, checked for every rank's range (all ranks raise alike).
 """
+from typing import Any
 import itertools
 
 from hyper_parallel.core.dtensor.layout import local_box
 from hyper_parallel.core.attention.npu_args import as_int_list, packed_sequence_ends
 
 
-def packed_split(geo, specs):
+def packed_split(geo: Any, specs: Any) -> bool:
     """True when q, k and v are all split along T by the same mesh dims (TND only)."""
     if geo.layout != "TND":
         return False
@@ -34,7 +35,7 @@ def _index_of(ends, position):
     return None
 
 
-def check_packed_split(a, geo, mesh, specs):
+def check_packed_split(a: Any, geo: Any, mesh: Any, specs: Any) -> None:
     """ValueError unless every rank's T range of q and of k/v holds the same whole sequences."""
     cq, ckv = packed_sequence_ends(a, geo)
     qs, ks, _ = specs
@@ -53,7 +54,7 @@ def check_packed_split(a, geo, mesh, specs):
                 f"ContextParallel)")
 
 
-def local_packed_lengths(a, q_range, kv_range):
+def local_packed_lengths(a: Any, q_range: Any, kv_range: Any) -> Any:
     """actual_seq_qlen / actual_seq_kvlen of this rank's tokens: the ends inside its range, rebased."""
     (q0, ql), k0 = q_range, kv_range[0]
     cq, ckv = as_int_list(a["actual_seq_qlen"]), as_int_list(a["actual_seq_kvlen"])

@@ -8,6 +8,8 @@ diagonal block [r0, r0 + L) under the kernel's own causal mask. No row's scores 
 not see, so a NaN or inf in an excluded key stays out of that row exactly as in single-device causal
 attention. Also the GQA head helpers every block kernel shares (``expand_heads``, ``fold_heads``).
 """
+from typing import Any
+
 from hyper_parallel.core.attention.lse import merge_blocks
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.platform import get_platform
@@ -54,11 +56,11 @@ def offset_causal(row_start):
     return offset_causal_attention
 
 
-def expand_heads(t, groups):
+def expand_heads(t: Any, groups: Any) -> Any:
     return t if groups == 1 else t.repeat_interleave(groups, dim=-3)
 
 
-def fold_heads(t, groups):
+def fold_heads(t: Any, groups: Any) -> Any:
     """Sum the gradients of the query heads that share one k/v head (GQA)."""
     if groups == 1:
         return t

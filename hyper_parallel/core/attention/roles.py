@@ -52,7 +52,7 @@ class AttentionRoles:
 
 
 @contextlib.contextmanager
-def expecting(roles):
+def expecting(roles: Any) -> Iterator[None]:
     _ACTIVE.append(roles)
     try:
         yield
@@ -60,7 +60,7 @@ def expecting(roles):
         _ACTIVE.pop()
 
 
-def check_query(spec):
+def check_query(spec: Any) -> None:
     """ValueError when the innermost CP call's promise does not hold for the kernel's q (a spec)."""
     if not _ACTIVE or spec.mesh != _ACTIVE[-1].mesh:
         return

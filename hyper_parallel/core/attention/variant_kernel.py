@@ -10,6 +10,7 @@ runs the platform's block kernel, merged by log-sum-exp; the sinks are folded in
 Tensors are (batch, heads, seq, dim); k/v may have fewer heads (GQA), ``sinks`` is one logit per
 query head held here.
 """
+from typing import Any, Optional
 from dataclasses import dataclass
 
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
@@ -25,9 +26,9 @@ SEQ = 2
 class Variant:
     """What one attention call computes, besides q, k, v and the sinks."""
     causal: bool = False
-    scale: float = None
-    softcap: float = None   # c: scores -> c·tanh(s / c) before masking and softmax
-    window: int = None      # keys j with i - window < j <= i (needs causal)
+    scale: Optional[float] = None
+    softcap: Optional[float] = None   # c: scores -> c·tanh(s / c) before masking and softmax
+    window: Optional[int] = None      # keys j with i - window < j <= i (needs causal)
 
 
 def _blocks(q, k, q_start, variant):
@@ -110,7 +111,7 @@ def _seq_shape(t, length):
 _VARIANT_ATTENTION = lazy_autograd_function("VariantAttention", _forward, _backward)
 
 
-def variant_attention(q, k, v, sinks, q_start, variant):
+def variant_attention(q: Any, k: Any, v: Any, sinks: Any, q_start: Any, variant: Any) -> Any:
     """Differentiable attention of q (global rows [q_start, +L)) on the whole k/v under ``variant``,
     with ``sinks`` (one logit per head of q, or None) in the denominator."""
     return _VARIANT_ATTENTION(q, k, v, sinks, q_start, variant)

@@ -13,6 +13,7 @@ zigzag chunk ids), so it needs equal lengths. A plain k/v holding the whole sequ
 q (a "guess" the style must not make) has the ambiguous length cp x q's block; it is told apart
 from a genuine longer block by its content: the same k/v on every rank is the whole sequence.
 """
+from typing import Any
 import os
 import zlib
 
@@ -37,7 +38,7 @@ def _signature(t):
     return [len(shape), zlib.crc32(str(t.dtype).encode()) & 0xFFFFFF] + dims
 
 
-def fingerprint(t):
+def fingerprint(t: Any) -> Any:
     """A positive int equal on ranks holding equal data (and almost surely different otherwise);
     only taken for the ambiguous "whole sequence or a longer block?" plain k/v (see
     suspect_whole_sequence), so it costs nothing in the usual case."""
@@ -48,7 +49,7 @@ def fingerprint(t):
     return 1 + (zlib.crc32(repr(parts).encode()) & 0x3FFFFFFF)
 
 
-def suspect_whole_sequence(style, qkv, raw, q_block, cp_size):
+def suspect_whole_sequence(style: Any, qkv: Any, raw: Any, q_block: Any, cp_size: Any) -> Any:
     """Fingerprints (0 = not taken) of plain k/v whose local length is cp_size x q's block: the
     one length at which a plain k/v may be the whole sequence rather than this rank's block."""
     from hyper_parallel.core.dtensor.dtensor import DTensor
@@ -68,12 +69,12 @@ def suspect_whole_sequence(style, qkv, raw, q_block, cp_size):
 _VERIFIED = BoundedCache(4096)
 
 
-def debug_checks():
+def debug_checks() -> Any:
     from hyper_parallel.core.dtensor.rank_check import check_every
     return os.environ.get("HP_CP_DEBUG", "").strip().lower() in ("1", "true", "yes", "on") or check_every()
 
 
-def first_call_of_signature(style, cp_mesh, qkv):
+def first_call_of_signature(style: Any, cp_mesh: Any, qkv: Any) -> bool:
     """Whether this call's inputs need the cross-rank check: the first call with their shapes,
     dtypes and layouts (per style and mesh), or every call with ``HP_CP_DEBUG=1``. A training loop
     repeats a few signatures, so the steady state adds no collective and no host sync. What is given
@@ -83,15 +84,15 @@ def first_call_of_signature(style, cp_mesh, qkv):
     from hyper_parallel.core.dtensor.dtensor import DTensor
     if debug_checks():
         return True
-    key = (lifetime_key(style), cp_mesh, tuple((tuple(t.shape), t.dtype,
-                                      t.placements if isinstance(t, DTensor) else None) for t in qkv))
+    key = (lifetime_key(style), cp_mesh,
+           tuple((tuple(t.shape), t.dtype, t.placements if isinstance(t, DTensor) else None) for t in qkv))
     if key in _VERIFIED:
         return False
     _VERIFIED.add(key)
     return True
 
 
-def check_across_ranks(cp_mesh, tensors, prints=(0, 0, 0)):
+def check_across_ranks(cp_mesh: Any, tensors: Any, prints: Any = (0, 0, 0)) -> Any:
     """Raise the same ValueError on every CP rank unless all ranks passed equal signatures.
     Returns, per tensor, whether its fingerprint (``prints``, 0 = none) is the same on every rank."""
     platform = get_platform()
@@ -103,7 +104,8 @@ def check_across_ranks(cp_mesh, tensors, prints=(0, 0, 0)):
     for m in range(cp_mesh.ndim):
         probe = platform.all_reduce(probe, cp_mesh.get_group(m), "max", tag="shape_check")
     # a dry run (hyper_parallel.plan, fake tensors) cannot read the peers' answer: agreement assumed
-    values = signature + [-x for x in signature] if platform.is_fake(probe) else [int(x) for x in probe.tolist()]
+    values = (signature + [-x for x in signature] if platform.is_fake(probe)
+              else [int(x) for x in probe.tolist()])
     top, bottom = values[:len(signature)], [-x for x in values[len(signature):]]
     n = len(tensors) * _WIDTH
     if top[:n] == bottom[:n]:
@@ -124,7 +126,7 @@ def check_across_ranks(cp_mesh, tensors, prints=(0, 0, 0)):
                              f"block of the sequence (pad the sequence to a multiple of the CP size)")
 
 
-def normalise_dims(style, ndims):
+def normalise_dims(style: Any, ndims: Any) -> Any:
     """(seq, head) as dims in [0, ndim) of q/k/v; only negative dims wrap."""
     if len(set(ndims)) != 1:
         raise ValueError(f"ContextParallel: q, k and v must have the same number of dims, got "
@@ -173,7 +175,7 @@ def _equal_lengths(style, cp_size):
     return None
 
 
-def check_layout(style, shapes, seq, head, cp_size=1):
+def check_layout(style: Any, shapes: Any, seq: Any, head: Any, cp_size: int = 1) -> None:
     """A ValueError when the shapes contradict seq_dim/head_dim, suggesting the layout they fit.
     q and k/v may differ in length (each split over the ranks) unless the mode needs them equal.
 
@@ -191,7 +193,7 @@ def check_layout(style, shapes, seq, head, cp_size=1):
     raise ValueError(f"ContextParallel(seq_dim={style.seq_dim}, head_dim={style.head_dim}): {problem}{hint}")
 
 
-def check_whole_sequence(same, shapes, seq, cp_size):
+def check_whole_sequence(same: Any, shapes: Any, seq: Any, cp_size: Any) -> None:
     """Raise (on every rank: ``same`` came from the all-reduce) when a plain k/v of cp x q's length
     is the same tensor on every rank: the whole sequence, not this rank's block."""
     for name, hit, shape in zip(NAMES, same, shapes):
@@ -209,7 +211,7 @@ _AGREE_FIX = ("build ContextParallel with the same arguments on every rank, and 
               "(same grad mode, same attention_masks, q/k/v of one kind)")
 
 
-def style_settings(style):
+def style_settings(style: Any) -> Any:
     """What every rank's ContextParallel must share: its mode and dims (``mode='auto'``'s options too)."""
     settings = {"mode": style.mode, "ulysses_degree": style.ulysses_degree, "kv_exchange": style.kv_exchange,
                 "load_balance": bool(style.load_balance), "seq_dim": style.seq_dim,
@@ -222,7 +224,7 @@ def style_settings(style):
     return settings
 
 
-def mask_settings(masks):
+def mask_settings(masks: Any) -> Any:
     """``attention_masks`` entered or not, its tensors' shapes, and (compared when the check runs:
     the documents change every batch) a digest of their contents. The same names with or without
     masks, so the message names the masks rather than the set of settings."""
@@ -235,7 +237,7 @@ def mask_settings(masks):
             "attention_masks padding": Deferred(lambda: tensor_digest(padding))}
 
 
-def agree_on_call(style, cp_mesh, qkv, masks):
+def agree_on_call(style: Any, cp_mesh: Any, qkv: Any, masks: Any) -> None:
     """ValueError on every CP rank unless the ranks run this call alike: the style's settings,
     grad mode, masks, and q/k/v's kind (plain or DTensor and where) and requires_grad. One small
     message at the first call of each combination (core/agreement.py)."""

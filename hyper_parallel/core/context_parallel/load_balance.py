@@ -10,26 +10,27 @@ layout: those copies are made anyway, and the ring then reads q, k, v and the ou
 without a contiguous copy of its own per head group (in backward, that copy was held beside the
 joined gradient at the ring's peak).
 """
+from typing import Any
 from hyper_parallel.platform import get_platform
 
 
-def partner_rank(mesh, cp_dim):
+def partner_rank(mesh: Any, cp_dim: Any) -> Any:
     ranks = mesh.group_ranks(cp_dim)
     return ranks[len(ranks) - 1 - mesh.get_local_rank(cp_dim)]
 
 
-def split_head_tail(local, seq_dim, mesh, cp_dim):
+def split_head_tail(local: Any, seq_dim: Any, mesh: Any, cp_dim: Any) -> Any:
     """(head, tail) local blocks this rank computes."""
     head, second = local.chunk(2, seq_dim)
     return head, _swap(second, mesh, cp_dim)
 
 
-def merge_head_tail(head_out, tail_out, seq_dim, mesh, cp_dim):
+def merge_head_tail(head_out: Any, tail_out: Any, seq_dim: Any, mesh: Any, cp_dim: Any) -> Any:
     """This rank's contiguous output block from the head and tail results."""
     return get_platform().cat([head_out, _swap(tail_out, mesh, cp_dim)], seq_dim)
 
 
-def zigzag_block(local, seq_dim, head_dim, mesh, cp_dim):
+def zigzag_block(local: Any, seq_dim: Any, head_dim: Any, mesh: Any, cp_dim: Any) -> Any:
     """This rank's head chunk and the tail received from its partner, joined along ``seq_dim`` in
     one new tensor laid out in kernel order (see the module docstring)."""
     order = _kernel_order(local.ndim, seq_dim, head_dim)
@@ -40,7 +41,7 @@ def zigzag_block(local, seq_dim, head_dim, mesh, cp_dim):
     return joined.permute(*_inverse(order))
 
 
-def zigzag_halves(block, seq_dim, head_dim):
+def zigzag_halves(block: Any, seq_dim: Any, head_dim: Any) -> Any:
     """(head, tail) halves of the ring's output ``block``: views whose gradients autograd joins in
     kernel order (the backward of a split is a concatenation in the split's own dim order)."""
     order = _kernel_order(block.ndim, seq_dim, head_dim)

@@ -1,5 +1,6 @@
 """One context-parallel attention call: check and distribute q, k, v for the mode, run the module,
 return the output in the caller's layout (read from the output, see output.py)."""
+from typing import Any
 import math
 from dataclasses import dataclass, replace
 
@@ -38,7 +39,7 @@ class _Inputs:
     own_dims: tuple = ()    # working-mesh dims of the caller's own mesh ("other_mesh")
 
 
-def cp_dim_order(mesh):
+def cp_dim_order(mesh: Any) -> Any:
     """The CP mesh's dims, outer sequence split first: a 2-D mesh is matched by its names
     ("co", "ds") in either order (rank (c, d) holds sequence block c·ds + d); a 1-D mesh is dim 0."""
     if mesh.ndim == 2:
@@ -68,7 +69,8 @@ def _check_meshes(qkv, policy, cp_mesh):
     for name, t in zip(NAMES[1:], qkv[1:]):
         if not isinstance(t, DTensor):
             continue
-        fits = t.device_mesh == q.device_mesh if policy == "other_mesh" else _on_cp_mesh(t.device_mesh, cp_mesh)
+        fits = (t.device_mesh == q.device_mesh if policy == "other_mesh"
+                else _on_cp_mesh(t.device_mesh, cp_mesh))
         if not fits:
             where = f"q's mesh {q.device_mesh}" if policy == "other_mesh" else f"the CP mesh {cp_mesh}"
             raise ValueError(f"ContextParallel: {name} is a DTensor on {t.device_mesh}, not on {where}; pass "
@@ -170,7 +172,7 @@ def _degree(mesh, ulysses_dims):
     return math.prod(mesh.size(m) for m in ulysses_dims)
 
 
-def kv_repeats(q_heads, kv_heads, ds):
+def kv_repeats(q_heads: Any, kv_heads: Any, ds: Any) -> Any:
     """How many copies of each k/v head Ulysses of degree ``ds`` needs (1: none).
 
     With Hkv % ds != 0 (GQA/MQA below the degree, e.g. 8 KV heads on ds=16), each KV head is
@@ -227,7 +229,7 @@ def _mode_dims(style, cp_mesh, inputs):
     return (list(inputs.cp_dims), []) if ds > 1 else ([], list(inputs.cp_dims))
 
 
-def prepare(style, cp_mesh, qkv):
+def prepare(style: Any, cp_mesh: Any, qkv: Any) -> Any:
     """Every check, then (inputs on the working mesh, ulysses dims, gather dims, active masks)."""
     agree_on_call(style, cp_mesh, qkv, active_masks())   # first: the ranks run this call alike
     inputs = _prepare(style, cp_mesh, qkv)
@@ -244,11 +246,16 @@ def prepare(style, cp_mesh, qkv):
     return inputs, ulysses_dims, gather_dims, masks
 
 
-def run_attention(style, cp_mesh, qkv, call):
-    return run_prepared(style, *prepare(style, cp_mesh, qkv), call)
+def run_attention(style: Any, cp_mesh: Any, qkv: Any, call: Any) -> Any:
+    # the phases as ranges of a framework profiler's trace (the collectives inside have their own)
+    platform = get_platform()
+    with platform.profile_range("hyper_parallel::context_parallel::prepare"):
+        inputs, ulysses_dims, gather_dims, masks = prepare(style, cp_mesh, qkv)
+    with platform.profile_range("hyper_parallel::context_parallel::attention"):
+        return run_prepared(style, inputs, ulysses_dims, gather_dims, masks, call)
 
 
-def run_prepared(style, inputs, ulysses_dims, gather_dims, masks, call):
+def run_prepared(style: Any, inputs: Any, ulysses_dims: Any, gather_dims: Any, masks: Any, call: Any) -> Any:
     """The call in its mode, from ``prepare``'s checked inputs: the caller's output."""
     call = agreeing(inputs.mesh, call, lifetime_key(style))
     if masks is not None and not (style.kv_exchange == "ring" and gather_dims):
@@ -270,7 +277,7 @@ def run_prepared(style, inputs, ulysses_dims, gather_dims, masks, call):
     return deliver(style, inputs, *to_caller(out, inputs, ulysses_dims))
 
 
-def agreeing(mesh, call, site):
+def agreeing(mesh: Any, call: Any, site: Any) -> Any:
     """``call`` with its attention kernel told to compare its settings across ``mesh``'s ranks;
     ``site`` (the style's lifetime key) keeps one module's verified settings from covering another's."""
     def agreed(*args, **kwargs):
@@ -321,7 +328,7 @@ def _load_balanced(inputs, k, v, call):
     return merge_head_tail(outs[0], outs[1], seq, mesh, cp_dim), seq, p
 
 
-def deliver(style, inputs, out_local, seq, placements):
+def deliver(style: Any, inputs: Any, out_local: Any, seq: Any, placements: Any) -> Any:
     """This rank's output block as the caller gets it (local, or a DTensor on its mesh)."""
     if style.use_local_output or inputs.policy == "plain":
         return out_local

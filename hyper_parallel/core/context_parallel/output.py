@@ -18,6 +18,7 @@ made once per signature (a steady-state call looks it up), and the move to the c
 to a local tensor is one autograd function (``redistribute(...).to_local()`` fused: the same
 collectives, the same gradient layouts, one graph node instead of two DTensor wrappers).
 """
+from typing import Any
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.bounded_cache import BoundedCache
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
@@ -35,7 +36,7 @@ def _fail(out, why, fix="return the output with its sequence on a dim of its own
                      f"placements {tuple(out.placements)}) back to the sequence split: {why}; {fix}")
 
 
-def output_seq_dim(out, inputs, ulysses_dims):
+def output_seq_dim(out: Any, inputs: Any, ulysses_dims: Any) -> Any:
     """The dim of ``out`` (a DTensor on the working mesh) that holds the sequence."""
     placements, seq_len = tuple(out.placements), inputs.shapes[0][inputs.seq]
     for m in inputs.cp_dims:
@@ -69,7 +70,7 @@ def _in_q_layout(out, inputs, ulysses_dims):
             and all(out.placements[m].is_shard(inputs.head) for m in ulysses_dims))
 
 
-def caller_placements(placements, mesh, ndim, seq, cp_dims):
+def caller_placements(placements: Any, mesh: Any, ndim: Any, seq: Any, cp_dims: Any) -> Any:
     """``placements`` with every CP mesh dim moved onto ``seq`` (contiguous blocks, outer first)."""
     orders = [[m for m in order if m not in cp_dims]
               for order in shard_orders(placements, mesh.mesh_shape, ndim)]
@@ -124,14 +125,14 @@ class _NoCtx:
 _TO_CALLER_LOCAL = lazy_autograd_function("ToCallerLocal", _local_forward, _local_backward)
 
 
-def to_caller(out, inputs, ulysses_dims):
+def to_caller(out: Any, inputs: Any, ulysses_dims: Any) -> Any:
     """(this rank's local block of the output, the output's seq dim, its placements on the working
     mesh)."""
     seq, target, target_spec, _ = _decision(out, inputs, ulysses_dims)
     return _to_local_as(out, target_spec), seq, target
 
 
-def first_output(out):
+def first_output(out: Any) -> Any:
     """The attention module's output DTensor (the first element of a tuple / list)."""
     value = out[0] if isinstance(out, (tuple, list)) else out
     if not isinstance(value, DTensor):

@@ -6,6 +6,7 @@ the attention rule applies the global causal offset), or the hybrid of both on a
 The module's forward sees DTensors, so plain matmul/softmax attention code is distributed by the
 same sharding rules as ``F.scaled_dot_product_attention``.
 """
+from typing import Any
 import contextvars
 
 from hyper_parallel.core.arguments import check_context_parallel
@@ -19,14 +20,14 @@ from hyper_parallel.core.tensor_parallel.style import ParallelStyle
 from hyper_parallel.platform import get_platform
 
 KV_EXCHANGES = ("allgather", "ring")
-_active = contextvars.ContextVar("hp_context_parallel_active", default=frozenset())
+_active: Any = contextvars.ContextVar("hp_context_parallel_active", default=frozenset())
 # a module's split-phase call (start_attention) lives on the module: a global table would keep it, and
 # through its closure the module and its weights, alive after the model is gone
 _STARTER = "_hp_cp_start"
 _APPLY_FIX = "construct ContextParallel with the same arguments on every rank of the mesh"
 
 
-def start_attention(module, *args, **kwargs):
+def start_attention(module: Any, *args: Any, **kwargs: Any) -> Any:
     """Start ``module(*args, **kwargs)`` on a module ContextParallel was applied to, returning a
     pending call whose ``finish()`` gives the output ``module(...)`` would: q/k/v's collective
     travels in between, so the caller can compute meanwhile (e.g. the next head group's
@@ -41,13 +42,16 @@ def start_attention(module, *args, **kwargs):
 
 
 class ContextParallel(ParallelStyle):
-    def __init__(self, seq_dim=1, head_dim=2, ulysses_degree=None, qkv_indices=(0, 1, 2), qkv_kwarg_names=(),
-                 use_local_output=False, load_balance=False, kv_exchange="allgather", overlap=False,
-                 chunks=2, mode=None, memory_budget=None, calibration=None, causal=None, tune=None):
+    def __init__(self, seq_dim: int = 1, head_dim: int = 2, ulysses_degree: Any = None,
+                 qkv_indices: Any = (0, 1, 2), qkv_kwarg_names: Any = (), use_local_output: bool = False,
+                 load_balance: bool = False, kv_exchange: str = "allgather", overlap: bool = False,
+                 chunks: int = 2, mode: Any = None, memory_budget: Any = None, calibration: Any = None,
+                 causal: Any = None, tune: Any = None) -> None:
         check_context_parallel(seq_dim, head_dim, ulysses_degree, chunks, memory_budget, qkv_indices)
         _check_auto(mode, ulysses_degree, load_balance, kv_exchange, memory_budget, calibration, causal, tune)
         if seq_dim == head_dim:
-            raise ValueError(f"seq_dim and head_dim must differ (got {seq_dim}); use 1/2 for BSHD, 2/1 for BNSD")
+            raise ValueError(f"seq_dim and head_dim must differ (got {seq_dim}); use 1/2 for BSHD, "
+                             "2/1 for BNSD")
         if ulysses_degree is not None and (not isinstance(ulysses_degree, int) or ulysses_degree < 1):
             raise ValueError(f"ulysses_degree must be a positive int or None, got {ulysses_degree!r}")
         if load_balance and ulysses_degree != 1:
@@ -74,14 +78,14 @@ class ContextParallel(ParallelStyle):
         self.last_choice = None
         self._auto = AutoMode(self) if mode == "auto" else None
 
-    def fixed(self, **mode_kwargs):
+    def fixed(self, **mode_kwargs: Any) -> Any:
         """This style with a fixed mode (``ulysses_degree`` / ``kv_exchange`` / ``load_balance``)."""
         return ContextParallel(self.seq_dim, self.head_dim, qkv_indices=self.qkv_indices,
                                qkv_kwarg_names=self.qkv_kwarg_names, use_local_output=self.use_local_output,
                                overlap=self.overlap, chunks=self.chunks, **mode_kwargs)
 
     # ------------------------------------------------------------------ apply
-    def apply(self, module, device_mesh):
+    def apply(self, module: Any, device_mesh: Any) -> Any:
         # before _cp_mesh creates the hybrid's groups: a rank with another ulysses_degree would
         # otherwise create groups its peers never create, and wait there
         check_agreement(device_mesh, "ContextParallel", style_settings(self), fix=_APPLY_FIX,
@@ -94,8 +98,9 @@ class ContextParallel(ParallelStyle):
         """The CP mesh: 1-D for pure Ulysses / all-gather, a 2-D mesh named ("co", "ds") in either
         order for the hybrid (used by name: rank (co=c, ds=d) holds sequence block c·ds + d)."""
         if self.mode == "auto" and mesh.ndim != 1:
-            raise ValueError(f"ContextParallel(mode='auto') chooses the hybrid's layout itself and needs a 1-D "
-                             f"CP mesh, got {mesh.ndim}-D {mesh.mesh_dim_names}; pass mesh['cp'] (or flatten)")
+            raise ValueError("ContextParallel(mode='auto') chooses the hybrid's layout itself and needs a "
+                             f"1-D CP mesh, got {mesh.ndim}-D {mesh.mesh_dim_names}; pass mesh['cp'] "
+                             "(or flatten)")
         if mesh.ndim == 2:
             names = mesh.mesh_dim_names
             if names is None or sorted(names) != ["co", "ds"]:
@@ -108,16 +113,16 @@ class ContextParallel(ParallelStyle):
             # (load balancing and the pure ring run on one dim)
             return mesh["co"] if mesh.size("ds") == 1 else mesh
         if mesh.ndim != 1:
-            raise ValueError(f"ContextParallel needs a 1-D CP mesh or a 2-D ('co', 'ds') mesh, got {mesh.ndim}-D "
-                             f"{mesh.mesh_dim_names}; slice it, e.g. mesh['cp']")
+            raise ValueError("ContextParallel needs a 1-D CP mesh or a 2-D ('co', 'ds') mesh, got "
+                             f"{mesh.ndim}-D {mesh.mesh_dim_names}; slice it, e.g. mesh['cp']")
         cp = mesh.size()
         ds = self.ulysses_degree or cp
         if cp % ds:
             raise ValueError(f"ulysses_degree={ds} does not divide the context-parallel size {cp}")
         if self.kv_exchange == "ring" and ds == cp and cp > 1:
             raise ValueError(f"kv_exchange='ring' rings K/V over cp/ulysses_degree ranks, but ulysses_degree="
-                             f"{self.ulysses_degree} leaves none (cp={cp}); set ulysses_degree=1 for pure ring "
-                             f"or 1 < ulysses_degree < {cp} for Ulysses x ring")
+                             f"{self.ulysses_degree} leaves none (cp={cp}); set ulysses_degree=1 for pure "
+                             f"ring or 1 < ulysses_degree < {cp} for Ulysses x ring")
         if 1 < ds < cp:
             return mesh._unflatten(0, (cp // ds, ds), ("co", "ds"))
         return mesh
@@ -206,5 +211,6 @@ class AsyncContextParallel(ContextParallel):
     so one group's q/k/v and output collectives travel while another computes, in forward and
     backward (overlap.py; modes it cannot pipeline run as ContextParallel does)."""
 
-    def __init__(self, *args, overlap=True, **kwargs):
-        super().__init__(*args, overlap=overlap, **kwargs)
+    def __init__(self, *args: Any, overlap: bool = True, **kwargs: Any) -> None:
+        # overlap is keyword-only here, so it cannot also come in *args
+        super().__init__(*args, overlap=overlap, **kwargs)  # type: ignore[misc]

@@ -8,6 +8,7 @@ TorchDynamo, which cannot trace tensor subclasses such as DTensor, so it fails d
 (e.g. "Dynamo does not know how to trace method `new_empty` of class `DTensor`"). Such failures
 are turned into a ValueError naming the supported kernels; the original error is chained.
 """
+from typing import Any
 
 SUPPORTED = ("F.scaled_dot_product_attention (every mode, attention_masks for padding / packed "
              "documents), hyper_parallel.attention (the same, with soft-capping, sinks and a sliding "
@@ -23,7 +24,7 @@ def _frames(exc):
         tb = tb.tb_next
 
 
-def unsupported_kernel(exc):
+def unsupported_kernel(exc: Any) -> Any:
     """The name of the unsupported attention kernel ``exc`` came from, or None."""
     text = str(exc)
     for name in _UNSUPPORTED:
@@ -34,7 +35,7 @@ def unsupported_kernel(exc):
     return None
 
 
-def call_module(original, args, kwargs):
+def call_module(original: Any, args: Any, kwargs: Any) -> Any:
     """``original(*args, **kwargs)``; a failure inside an unsupported kernel becomes a ValueError."""
     try:
         return original(*args, **kwargs)

@@ -1,4 +1,5 @@
 """distribute_tensor / distribute_module: turn ordinary tensors and modules into DTensor ones."""
+from typing import Any
 import numpy as np
 
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
@@ -12,7 +13,8 @@ from hyper_parallel.platform import get_platform
 
 def _check_src(src_index, mesh):
     if isinstance(src_index, bool) or not isinstance(src_index, int) or not 0 <= src_index < mesh.size():
-        raise ValueError(f"src_data_rank={src_index!r} is not a rank of {mesh} (a position 0..{mesh.size() - 1} in "
+        raise ValueError(f"src_data_rank={src_index!r} is not a rank of {mesh} (a position "
+                         f"0..{mesh.size() - 1} in "
                          f"its rank_list, as in PyTorch); or pass None to use each rank's own copy")
 
 
@@ -34,8 +36,8 @@ def _already_distributed(dtensor, mesh, placements):
     """A DTensor given to distribute_tensor is returned as it is when it already has the requested
     layout; otherwise PyTorch raises (re-sharding its local piece as if global would be wrong)."""
     if dtensor.device_mesh != mesh:
-        raise ValueError(f"distribute_tensor: cannot distribute a DTensor on {dtensor.device_mesh} to another "
-                         f"mesh {mesh}; pass the full tensor (dt.full_tensor()) instead")
+        raise ValueError(f"distribute_tensor: cannot distribute a DTensor on {dtensor.device_mesh} to "
+                         f"another mesh {mesh}; pass the full tensor (dt.full_tensor()) instead")
     if tuple(dtensor.placements) != tuple(placements):
         raise ValueError(f"distribute_tensor: cannot distribute a DTensor with placements "
                          f"{dtensor.placements} to placements {placements}; call "
@@ -43,7 +45,8 @@ def _already_distributed(dtensor, mesh, placements):
     return dtensor
 
 
-def distribute_tensor(tensor, device_mesh=None, placements=None, *, src_data_rank=0):
+def distribute_tensor(tensor: Any, device_mesh: Any = None, placements: Any = None, *,
+                      src_data_rank: int = 0) -> Any:
     """Shard or replicate a global ``tensor`` over ``device_mesh``.
 
     With ``src_data_rank`` (a rank within the mesh, i.e. a position in ``mesh.rank_list``, as in
@@ -97,7 +100,8 @@ def _replicate_rest(module, mesh):
             platform.set_buffer(module, bname, distribute_tensor(buf, mesh))
 
 
-def distribute_module(module, device_mesh=None, partition_fn=None, input_fn=None, output_fn=None):
+def distribute_module(module: Any, device_mesh: Any = None, partition_fn: Any = None, input_fn: Any = None,
+                      output_fn: Any = None) -> Any:
     """Apply ``partition_fn(name, submodule, mesh)`` to every submodule, then make every parameter
     and buffer it left as a plain tensor a Replicate DTensor; install ``input_fn(module, inputs,
     mesh)`` / ``output_fn(module, outputs, mesh)`` as forward hooks. ``device_mesh`` defaults to the
@@ -111,5 +115,6 @@ def distribute_module(module, device_mesh=None, partition_fn=None, input_fn=None
     if input_fn is not None:
         platform.register_forward_pre_hook(module, lambda mod, inputs: input_fn(mod, inputs, device_mesh))
     if output_fn is not None:
-        platform.register_forward_hook(module, lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
+        platform.register_forward_hook(module,
+                                       lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
     return module

@@ -10,6 +10,8 @@ the whole world, a new one (every rank loads, so every rank creates its groups i
 Checkpoints that change the mesh or placements go through ``torch.distributed.checkpoint``, whose
 protocol (each piece's global offsets) the platform's DTensor implements from ``local_box``.
 """
+from typing import Any
+
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.mesh_registry import find_mesh, remember_mesh
 from hyper_parallel.core.dtensor.placement_types import HeadTailShard, Partial, Replicate, Shard, StridedShard
@@ -35,19 +37,20 @@ _DECODE = {"Shard": Shard, "StridedShard": StridedShard, "HeadTailShard": HeadTa
            "Partial": Partial, "Replicate": Replicate}
 
 
-def describe(dtensor):
+def describe(dtensor: Any) -> Any:
     """(local piece, mesh description, placements, global shape, requires_grad): what a pickled
     DTensor holds."""
     spec = dtensor._spec
     mesh = remember_mesh(spec.mesh)
     grid = tuple(int(r) for r in mesh.rank_list)
     mesh_desc = (mesh.device_type, tuple(mesh.mesh_shape), grid, mesh.mesh_dim_names)
-    local = dtensor._local_tensor.detach() if hasattr(dtensor._local_tensor, "detach") else dtensor._local_tensor
+    local = dtensor._local_tensor
+    local = local.detach() if hasattr(local, "detach") else local
     return (local, mesh_desc, tuple(_encode_placement(p) for p in spec.placements),
             tuple(int(s) for s in spec.shape), bool(dtensor.requires_grad))
 
 
-def rebuild(local, mesh_desc, placements, shape, requires_grad):
+def rebuild(local: Any, mesh_desc: Any, placements: Any, shape: Any, requires_grad: Any) -> Any:
     """The DTensor ``describe`` described, on this process's copy of its mesh."""
     if not get_platform().is_initialized():
         raise ValueError(f"loading a DTensor saved on the mesh {list(mesh_desc[2])} (dims {mesh_desc[3]}): "
@@ -64,7 +67,7 @@ def rebuild(local, mesh_desc, placements, shape, requires_grad):
     return out.requires_grad_(True) if requires_grad else out
 
 
-def checkpoint_box(dtensor):
+def checkpoint_box(dtensor: Any) -> Any:
     """(offsets, sizes) of this rank's piece in the global tensor for a checkpoint, or None if it
     holds nothing to write (outside the mesh, or an empty piece)."""
     spec = dtensor._spec
@@ -73,7 +76,8 @@ def checkpoint_box(dtensor):
     for p in spec.placements:
         if isinstance(p, HeadTailShard) or p.is_partial():
             raise ValueError(f"checkpointing a DTensor laid out as {spec.placements}: its piece is not one "
-                             f"block of the global tensor; redistribute it to Shard/Replicate placements first")
+                             "block of the global tensor; redistribute it to Shard/Replicate placements "
+                             "first")
     box = spec.local_box()
     offsets = tuple(int(start) for start, _ in box)
     sizes = tuple(int(size) for _, size in box)

@@ -19,6 +19,7 @@ local blocks, under the parameters' names) and ``rank{r}.layout.json``::
 ``load_layout_checkpoint`` also takes a single-process framework checkpoint file (e.g.
 ``mindspore.save_checkpoint(net, "full.ckpt")``): every parameter in it is whole.
 """
+from typing import Any
 import json
 import os
 import re
@@ -84,7 +85,7 @@ def _record(param, rank):
     return entry, param._local_tensor
 
 
-def save_layout_checkpoint(module, directory):
+def save_layout_checkpoint(module: Any, directory: Any) -> None:
     """Every rank writes its blocks of ``module``'s parameters and their layouts to ``directory``
     (created if missing; a shared filesystem across ranks), then waits for the others. Partial or
     head-tail placements raise ``ValueError`` on every rank before anything is written."""
@@ -162,7 +163,7 @@ class _Source:
         return np.zeros(sizes, dtype=np.float32) if out is None else out  # an empty block
 
 
-def read_layouts(directory):
+def read_layouts(directory: Any) -> Any:
     """The ``rank{r}.layout.json`` contents of a checkpoint directory, by rank."""
     names = sorted(f for f in os.listdir(directory) if f.endswith(".layout.json"))
     if not names:
@@ -204,7 +205,7 @@ def _target(param):
     return param._local_tensor, tuple(param.shape), box[0], box[1]
 
 
-def load_layout_checkpoint(module, path, strict=True):
+def load_layout_checkpoint(module: Any, path: Any, strict: bool = True) -> Any:
     """Load ``path`` (a ``save_layout_checkpoint`` directory or a single-process checkpoint file)
     into ``module``'s parameters in place, each rank reading the block its layout needs. Returns
     (missing, unexpected) parameter names; with ``strict`` a missing one raises ``ValueError``

@@ -5,6 +5,7 @@ other coordinate of the root) with the mesh's own dims last. Group creation walk
 ``_full`` in a fixed order, so all ranks create the same groups in the same order and group
 creation can never deadlock.
 """
+from typing import Any, Optional
 import math
 import numbers
 import threading
@@ -23,15 +24,16 @@ def _mesh_stack():
     return _state.stack
 
 
-def current_mesh():
+def current_mesh() -> Any:
     """The innermost mesh entered with ``with mesh:``, or None."""
     stack = _mesh_stack()
     return stack[-1] if stack else None
 
 
 class DeviceMesh:
-    def __init__(self, device_type, mesh, *, mesh_dim_names=None, _full=None, _root=None,
-                 _root_dims=None, _timeout=None, _groups=None):
+    def __init__(self, device_type: Any, mesh: Any, *, mesh_dim_names: Any = None, _full: Any = None,
+                 _root: Any = None, _root_dims: Any = None, _timeout: Any = None,
+                 _groups: Any = None) -> None:
         platform = get_platform()
         array = np.asarray(mesh.tolist() if hasattr(mesh, "tolist") else mesh, dtype=np.int64)
         if array.ndim == 0:
@@ -51,7 +53,7 @@ class DeviceMesh:
         self._root = _root
         self._full = array.reshape((1,) + array.shape) if _full is None else _full
         self._root_dims = _root_dims if _root_dims is not None else tuple((d,) for d in range(array.ndim))
-        self._flattened = {}
+        self._flattened: dict[Any, Any] = {}
         self._timeout = _timeout
         if not platform.is_initialized():
             platform.init_process_group()
@@ -85,41 +87,41 @@ class DeviceMesh:
 
     # ------------------------------------------------------------------ properties
     @property
-    def ndim(self):
+    def ndim(self) -> Any:
         return self._mesh.ndim
 
     @property
-    def mesh_shape(self):
+    def mesh_shape(self) -> Any:
         return tuple(self._mesh.shape)
 
     shape = mesh_shape
 
     @property
-    def mesh(self):
+    def mesh(self) -> Any:
         return get_platform().tensor(self._mesh.tolist())
 
     @property
-    def mesh_dim_names(self):
+    def mesh_dim_names(self) -> Any:
         return self._dim_names
 
     @property
-    def rank_list(self):
+    def rank_list(self) -> Any:
         return tuple(int(r) for r in self._mesh.reshape(-1))
 
     @property
-    def root_mesh(self):
+    def root_mesh(self) -> Any:
         return self._root
 
-    def size(self, dim=None):
+    def size(self, dim: Any = None) -> Any:
         return int(self._mesh.size) if dim is None else int(self._mesh.shape[self._dim_index(dim)])
 
-    def get_rank(self):
+    def get_rank(self) -> Any:
         return self._rank
 
-    def get_coordinate(self):
+    def get_coordinate(self) -> Any:
         return self._coordinate
 
-    def get_group(self, dim=None):
+    def get_group(self, dim: Any = None) -> Any:
         if dim is None:
             if self.ndim != 1:
                 raise ValueError(f"get_group() of a {self.ndim}-D mesh needs a dim (index or name in "
@@ -143,12 +145,12 @@ class DeviceMesh:
                                f"before destroy_process_group(), or initialise again and build a new mesh "
                                f"(init_device_mesh) and new DTensors on it")
 
-    def get_local_rank(self, dim=None):
+    def get_local_rank(self, dim: Any = None) -> Any:
         if self._coordinate is None:
             raise ValueError(f"rank {self._rank} is not part of mesh {self.rank_list}")
         return self._coordinate[self._dim_index(0 if dim is None else dim)]
 
-    def group_ranks(self, dim):
+    def group_ranks(self, dim: Any) -> Any:
         """The global ranks of this rank's group along ``dim``, in mesh order."""
         dim = self._dim_index(dim)
         index = list(self._anchor(f"group on mesh dim {dim}"))
@@ -208,7 +210,7 @@ class DeviceMesh:
                           _full=full, _root=self._root_or_self(), _groups=groups,
                           _root_dims=tuple(self._root_dims[d] for d in dims), _timeout=self._timeout)
 
-    def flatten(self, name=None):
+    def flatten(self, name: Optional[str] = None) -> Any:
         """This mesh as one dim (row-major); registered on the root under ``name``."""
         name = name or "_".join(self._dim_names or (f"dim{d}" for d in range(self.ndim)))
         root = self._root_or_self()
@@ -239,7 +241,7 @@ class DeviceMesh:
                           _full=full, _timeout=self._timeout)
 
     @staticmethod
-    def concatenate(meshes):
+    def concatenate(meshes: Any) -> Any:
         """One mesh of the dims of ``meshes`` (disjoint names, same root), in the root's dim order."""
         meshes = list(meshes)
         roots = {id(m._root_or_self()) for m in meshes}
@@ -273,7 +275,7 @@ class DeviceMesh:
                           _root_dims=tuple(dims for dims, _ in entries), _timeout=root._timeout)
 
     @staticmethod
-    def from_group(group, device_type, mesh=None, *, mesh_dim_names=None):
+    def from_group(group: Any, device_type: Any, mesh: Any = None, *, mesh_dim_names: Any = None) -> Any:
         """A mesh over existing process group(s), as PyTorch's ``DeviceMesh.from_group``: one group
         gives a 1-D mesh of its ranks (``mesh`` optional); a list of groups, one per mesh dim, needs
         ``mesh`` (the global rank grid), and each group must be this rank's line of it on its dim.
@@ -283,8 +285,8 @@ class DeviceMesh:
         platform = get_platform()
         if mesh is None:
             if len(groups) != 1:
-                raise ValueError(f"DeviceMesh.from_group with {len(groups)} groups needs mesh= (the rank grid, "
-                                 f"one dim per group)")
+                raise ValueError(f"DeviceMesh.from_group with {len(groups)} groups needs mesh= (the rank "
+                                 f"grid, one dim per group)")
             mesh = list(platform.group_ranks(groups[0]))
         array = np.asarray(mesh.tolist() if hasattr(mesh, "tolist") else mesh, dtype=np.int64)
         if array.ndim != len(groups):
@@ -301,7 +303,7 @@ class DeviceMesh:
         return out
 
     # ------------------------------------------------------------------ identity
-    def to_hash(self):
+    def to_hash(self) -> Any:
         key = self.__dict__.get("_identity")
         if key is None:  # a mesh never changes: computed once (dispatch compares meshes per op)
             key = self.__dict__["_identity"] = (self.mesh_shape, self._dim_names, self.rank_list)
@@ -326,7 +328,8 @@ class DeviceMesh:
         return False
 
 
-def init_device_mesh(device_type, mesh_shape, *, mesh_dim_names=None, timeout=None):
+def init_device_mesh(device_type: Any, mesh_shape: Any, *, mesh_dim_names: Any = None,
+                     timeout: Any = None) -> Any:
     """A mesh over all ranks (row-major), initialising the default group from the launcher env.
 
     ``timeout`` (seconds) bounds every collective of the mesh: a rank that stops taking part makes
@@ -346,7 +349,8 @@ def init_device_mesh(device_type, mesh_shape, *, mesh_dim_names=None, timeout=No
     if -1 in mesh_shape:
         if world % known:
             raise ValueError(f"mesh_shape {mesh_shape}: the world size {world} is not divisible by "
-                             f"{known}, so the -1 entry cannot be inferred; give sizes whose product is {world}")
+                             f"{known}, so the -1 entry cannot be inferred; give sizes whose product is "
+                             f"{world}")
         mesh_shape = tuple(world // known if s == -1 else s for s in mesh_shape)
     if math.prod(mesh_shape) != world:
         raise ValueError(f"mesh_shape {mesh_shape} holds {math.prod(mesh_shape)} ranks but the world has "
@@ -363,7 +367,8 @@ def _check_shape(mesh_shape):
     except TypeError:
         raise ValueError(f"init_device_mesh: mesh_shape={mesh_shape!r} must be a tuple of positive ints, "
                          f"e.g. (2, 4)") from None
-    bad = [s for s in shape if isinstance(s, bool) or not isinstance(s, numbers.Integral) or (s < 1 and s != -1)]
+    bad = [s for s in shape
+           if isinstance(s, bool) or not isinstance(s, numbers.Integral) or (s < 1 and s != -1)]
     if bad or not shape:
         raise ValueError(f"init_device_mesh: mesh_shape={mesh_shape!r} has size(s) {bad or 'none'}; every "
                          f"size must be a positive int (one may be -1, inferred from the world size)")

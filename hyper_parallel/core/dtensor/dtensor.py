@@ -23,7 +23,7 @@ from hyper_parallel.core.dtensor.spec import DTensorSpec
 from hyper_parallel.platform import get_platform
 
 
-class DTensor(get_platform().DTensorBase):
+class DTensor(get_platform().DTensorBase):  # type: ignore[misc]  # the platform's base, chosen at import
 
     @classmethod
     def _make(cls, local_tensor, spec, requires_grad=False):
@@ -80,8 +80,9 @@ class DTensor(get_platform().DTensorBase):
 
     # ------------------------------------------------------------------ construction
     @staticmethod
-    def from_local(local_tensor, device_mesh=None, placements=None, *, run_check=False, shape=None,
-                   stride=None, grad_placements=None):
+    def from_local(local_tensor: Any, device_mesh: Any = None, placements: Any = None, *,
+                   run_check: bool = False, shape: Any = None, stride: Any = None,
+                   grad_placements: Any = None) -> Any:
         """The DTensor whose shard on this rank is ``local_tensor`` (differentiable).
 
         Without ``shape`` the shards are taken to be even; pass the global ``shape`` for uneven ones.
@@ -118,14 +119,14 @@ class DTensor(get_platform().DTensorBase):
             normalize_placements(grad_placements, len(spec.shape), device_mesh.ndim))
         return _from_local(local_tensor, spec, grad_spec=grad_spec)
 
-    def to_local(self, *, grad_placements=None):
+    def to_local(self, *, grad_placements: Any = None) -> Any:
         """This rank's shard (differentiable; its gradient has this DTensor's placements)."""
         spec = self._spec if grad_placements is None else self._spec.with_placements(
             normalize_placements(grad_placements, self.ndim, self._spec.mesh.ndim))
         return _to_local(self, spec)
 
-    def redistribute(self, device_mesh=None, placements=None, *, async_op=False, forward_dtype=None,
-                     backward_dtype=None):
+    def redistribute(self, device_mesh: Any = None, placements: Any = None, *, async_op: bool = False,
+                     forward_dtype: Any = None, backward_dtype: Any = None) -> Any:
         """This tensor in another layout on the same mesh (differentiable). ``forward_dtype``: cast
         the shard before the collective (the result has that dtype); ``backward_dtype``: the dtype of
         the backward collective (the input's gradient keeps the input's dtype), as PyTorch."""
@@ -141,7 +142,7 @@ class DTensor(get_platform().DTensorBase):
             return self
         return _redistribute(self, placements)
 
-    def full_tensor(self, *, grad_placements=None):
+    def full_tensor(self, *, grad_placements: Any = None) -> Any:
         """The whole global tensor on every rank (differentiable). ``grad_placements``: how the
         gradient of the result is laid out (e.g. ``[Partial()]`` when each rank's gradient is a
         share of the total), default replicated."""
@@ -150,15 +151,15 @@ class DTensor(get_platform().DTensorBase):
 
     # ------------------------------------------------------------------ metadata
     @property
-    def placements(self):
+    def placements(self) -> Any:
         return self._spec.placements
 
     @property
-    def device_mesh(self):
+    def device_mesh(self) -> Any:
         return self._spec.mesh
 
     @property
-    def local_shape(self):
+    def local_shape(self) -> Any:
         return tuple(self._local_tensor.shape)
 
     def __repr__(self):
@@ -208,9 +209,9 @@ class GradPassThrough:
     KV attention stays partial through the user's transposes until the one reduce-scatter."""
     __slots__ = ("dims", "partial")
 
-    def __init__(self, dims):
+    def __init__(self, dims: Any) -> None:
         self.dims = frozenset(dims)
-        self.partial = frozenset()
+        self.partial: Any = frozenset()
 
 
 _PARTIAL_SUM = Partial("sum")
@@ -301,7 +302,7 @@ class _NoCtx:
     pass
 
 
-def as_layout(value, spec):
+def as_layout(value: Any, spec: Any) -> Any:
     """``value`` (a DTensor in any layout, or a plain global tensor) as a DTensor of ``spec``,
     without autograd."""
     if isinstance(value, DTensor):

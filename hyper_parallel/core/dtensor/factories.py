@@ -4,6 +4,7 @@ Each rank allocates only its own piece, except the random ones: they draw the wh
 the framework's generator and keep this rank's piece, so the result equals the single-device
 draw under the same seed (as the random ops on DTensors do).
 """
+from typing import Any
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
 from hyper_parallel.core.dtensor.mesh_registry import resolve_mesh
 from hyper_parallel.core.dtensor.placement_types import Replicate, normalize_placements
@@ -35,38 +36,45 @@ def _create(kind, size, device_mesh, placements, dtype, requires_grad, fill_valu
         # the whole tensor, then this rank's piece: the single-device values (and, for Partial,
         # the value on one rank with zeros elsewhere, which sums to it)
         whole = platform.create_tensor(kind, shape, dtype, device, fill_value)
-        local = as_layout(DTensor._make(whole, spec.with_placements((Replicate(),) * mesh.ndim)), spec)._local_tensor
+        replicated = DTensor._make(whole, spec.with_placements((Replicate(),) * mesh.ndim))
+        local = as_layout(replicated, spec)._local_tensor
     else:
         local = platform.create_tensor(kind, spec.local_shape, dtype, device, fill_value)
     out = DTensor._make(local, spec)
     return out.requires_grad_(True) if requires_grad else out
 
 
-def zeros(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
+def zeros(*size: Any, device_mesh: Any = None, placements: Any = None, dtype: Any = None,
+          requires_grad: bool = False) -> Any:
     """A DTensor of zeros of global ``size`` laid out as ``placements`` (default: replicated)."""
     return _create("zeros", size, device_mesh, placements, dtype, requires_grad)
 
 
-def ones(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
+def ones(*size: Any, device_mesh: Any = None, placements: Any = None, dtype: Any = None,
+         requires_grad: bool = False) -> Any:
     """A DTensor of ones of global ``size``."""
     return _create("ones", size, device_mesh, placements, dtype, requires_grad)
 
 
-def empty(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
+def empty(*size: Any, device_mesh: Any = None, placements: Any = None, dtype: Any = None,
+          requires_grad: bool = False) -> Any:
     """An uninitialised DTensor of global ``size``."""
     return _create("empty", size, device_mesh, placements, dtype, requires_grad)
 
 
-def full(size, fill_value, *, device_mesh=None, placements=None, dtype=None, requires_grad=False):
+def full(size: Any, fill_value: Any, *, device_mesh: Any = None, placements: Any = None, dtype: Any = None,
+         requires_grad: bool = False) -> Any:
     """A DTensor of global ``size`` filled with ``fill_value``."""
     return _create("full", (size,), device_mesh, placements, dtype, requires_grad, fill_value)
 
 
-def rand(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
+def rand(*size: Any, device_mesh: Any = None, placements: Any = None, dtype: Any = None,
+         requires_grad: bool = False) -> Any:
     """Uniform [0, 1) values, equal to the single-device ``rand(size)`` under the same seed."""
     return _create("rand", size, device_mesh, placements, dtype, requires_grad)
 
 
-def randn(*size, device_mesh=None, placements=None, dtype=None, requires_grad=False):
+def randn(*size: Any, device_mesh: Any = None, placements: Any = None, dtype: Any = None,
+          requires_grad: bool = False) -> Any:
     """Standard normal values, equal to the single-device ``randn(size)`` under the same seed."""
     return _create("randn", size, device_mesh, placements, dtype, requires_grad)

@@ -4,32 +4,33 @@ Shards of one tensor dim are applied one mesh dim after another, each a ``torch.
 previous ones left, so a local shard is always a contiguous range per dim. Plain ``Shard``s apply
 in mesh-dim order; a ``StridedShard(d, k)`` applies after the later mesh dims of total size k.
 """
+from typing import Any
 import math
 
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard, StridedShard
 
 
-def numel(shape):
+def numel(shape: Any) -> Any:
     """Number of elements of a tensor of ``shape`` (1 for a 0-dim tensor)."""
     return math.prod(shape)
 
 
-def chunk_sizes(length, parts):
+def chunk_sizes(length: Any, parts: Any) -> Any:
     """Sizes of ``torch.chunk(length, parts)`` padded with empty trailing chunks to ``parts``."""
     step = -(-length // parts) if length else 0
     return [max(0, min(step, length - i * step)) for i in range(parts)]
 
 
-def chunk_range(start, length, parts, index):
+def chunk_range(start: Any, length: Any, parts: Any, index: Any) -> Any:
     """(start, length) of piece ``index`` when [start, start+length) is chunked into ``parts``."""
     step = -(-length // parts) if length else 0
     lo = min(index * step, length)
     return start + lo, max(0, min(step, length - lo))
 
 
-def shard_orders(placements, mesh_shape, ndim):
+def shard_orders(placements: Any, mesh_shape: Any, ndim: Any) -> Any:
     """For each tensor dim, the mesh dims that split it, in the order the splits apply."""
-    orders = [[] for _ in range(ndim)]
+    orders: Any = [[] for _ in range(ndim)]
     for m in reversed(range(len(placements))):
         p = placements[m]
         if not p.is_shard():
@@ -49,7 +50,7 @@ def shard_orders(placements, mesh_shape, ndim):
     return orders
 
 
-def placements_from_orders(orders, non_shard, mesh_shape):
+def placements_from_orders(orders: Any, non_shard: Any, mesh_shape: Any) -> Any:
     """Inverse of ``shard_orders``: ``non_shard`` gives R/P placements for mesh dims not splitting."""
     placements = list(non_shard)
     for dim, order in enumerate(orders):
@@ -60,7 +61,8 @@ def placements_from_orders(orders, non_shard, mesh_shape):
     return tuple(placements)
 
 
-def dim_range(length, order, placements, mesh_shape, coordinate, upto=None):
+def dim_range(length: Any, order: Any, placements: Any, mesh_shape: Any, coordinate: Any,
+              upto: Any = None) -> Any:
     """(start, size) of the global range along one tensor dim after the first ``upto`` splits."""
     start, size = 0, length
     for m in order[:upto]:
@@ -69,16 +71,16 @@ def dim_range(length, order, placements, mesh_shape, coordinate, upto=None):
     return start, size
 
 
-def local_box(shape, placements, mesh_shape, coordinate):
+def local_box(shape: Any, placements: Any, mesh_shape: Any, coordinate: Any) -> Any:
     """[(start, size)] per tensor dim of the slice held at ``coordinate``."""
     orders = shard_orders(placements, mesh_shape, len(shape))
     return [dim_range(shape[d], orders[d], placements, mesh_shape, coordinate) for d in range(len(shape))]
 
 
-def local_shape(shape, placements, mesh_shape, coordinate):
+def local_shape(shape: Any, placements: Any, mesh_shape: Any, coordinate: Any) -> Any:
     return tuple(size for _, size in local_box(shape, placements, mesh_shape, coordinate))
 
 
-def grad_placements(placements):
+def grad_placements(placements: Any) -> Any:
     """Gradient layout of a forward value: a Partial value's gradient is replicated."""
     return tuple(Replicate() if p.is_partial() else p for p in placements)

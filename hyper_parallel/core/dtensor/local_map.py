@@ -9,6 +9,7 @@ with ``out_placements``. Differentiable both ways (to_local / from_local).
 so (a plain tensor beside DTensors is replicated; a 0-dim one is a scalar), so the context manager
 only exists for PyTorch code that wraps such mixing in it.
 """
+from typing import Any, Iterator
 import contextlib
 import functools
 
@@ -19,14 +20,15 @@ from hyper_parallel.platform import get_platform
 
 
 @contextlib.contextmanager
-def implicit_replication():
+def implicit_replication() -> Iterator[None]:
     """Plain tensors mixed with DTensors count as Replicate on the DTensors' mesh (always the case
     in hyper_parallel; kept for code written for PyTorch)."""
     yield
 
 
-def local_map(func=None, out_placements=None, in_placements=None, in_grad_placements=None,
-              device_mesh=None, *, redistribute_inputs=False):
+def local_map(func: Any = None, out_placements: Any = None, in_placements: Any = None,
+              in_grad_placements: Any = None, device_mesh: Any = None, *,
+              redistribute_inputs: bool = False) -> Any:
     """``func`` applied to local shards, with PyTorch's signature (used directly or as a decorator).
 
     ``in_placements``: per positional argument, the placements a DTensor argument must have (None:
@@ -74,7 +76,8 @@ def _to_local(func, i, arg, mesh, in_placements, in_grad_placements, redistribut
         want = normalize_placements(want, arg.ndim, mesh.ndim)
         if want != arg.placements:
             if not redistribute:
-                raise ValueError(f"local_map({_name(func)}): argument {i} has placements {arg.placements} but "
+                raise ValueError(f"local_map({_name(func)}): argument {i} has placements {arg.placements} "
+                                 "but "
                                  f"in_placements asks for {want}; pass redistribute_inputs=True or "
                                  f"redistribute it first")
             arg = arg.redistribute(mesh, want)

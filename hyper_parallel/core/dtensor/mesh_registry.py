@@ -1,21 +1,22 @@
 """The meshes this process knows: the one a call means (``resolve_mesh``: given, or the ``with mesh:``
 mesh), and the meshes DTensors were made or saved on, found again by their description when a
 pickled DTensor is loaded (checkpoint.py)."""
+from typing import Any
 import weakref
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, current_mesh
 from hyper_parallel.platform import get_platform
 
 # meshes this process has made DTensors on, by identity (mesh shape, dim names, ranks)
-_MESHES = weakref.WeakValueDictionary()
+_MESHES: Any = weakref.WeakValueDictionary()
 
 
-def remember_mesh(mesh):
+def remember_mesh(mesh: Any) -> Any:
     _MESHES[mesh.to_hash()] = mesh
     return mesh
 
 
-def resolve_mesh(device_mesh, who):
+def resolve_mesh(device_mesh: Any, who: Any) -> Any:
     """``device_mesh``, or the mesh of the innermost ``with mesh:`` block."""
     if device_mesh is not None:
         return device_mesh
@@ -37,7 +38,7 @@ def _candidates():
             yield root[name]
 
 
-def find_mesh(mesh_desc):
+def find_mesh(mesh_desc: Any) -> Any:
     """The mesh of this process described by ``mesh_desc`` (see module docstring)."""
     device_type, mesh_shape, ranks, names = mesh_desc
     key = (tuple(mesh_shape), None if names is None else tuple(names), tuple(ranks))

@@ -5,6 +5,7 @@ applied *after* the later mesh dims (of total size k) that split the same tensor
 splits heads that TP split first. ``Replicate()``: every rank holds it all. ``Partial(op)``: the
 value is the reduction (sum/avg/max/min) of the ranks' local tensors.
 """
+from typing import Any
 from hyper_parallel.core.arguments import check_int
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -13,16 +14,16 @@ REDUCE_OPS = ("sum", "avg", "max", "min")
 class Placement:
     __slots__ = ()
 
-    def is_shard(self, dim=None):
+    def is_shard(self, dim: Any = None) -> bool:
         return False
 
-    def is_replicate(self):
+    def is_replicate(self) -> bool:
         return False
 
-    def is_partial(self):
+    def is_partial(self) -> bool:
         return False
 
-    def normalized(self, ndim):
+    def normalized(self, ndim: Any) -> Any:
         """The same placement with a non-negative tensor dim."""
         return self
 
@@ -30,21 +31,21 @@ class Placement:
 class Shard(Placement):
     __slots__ = ("dim",)
 
-    def __init__(self, dim):
+    def __init__(self, dim: Any) -> None:
         self.dim = check_int("Shard", "dim", dim, fix="the int tensor dim to split")
 
-    def is_shard(self, dim=None):
+    def is_shard(self, dim: Any = None) -> bool:
         return dim is None or dim == self.dim
 
-    def with_dim(self, dim):
+    def with_dim(self, dim: Any) -> Any:
         """The same kind of shard on another tensor dim."""
         return Shard(dim)
 
-    def chunk_of(self, coordinate, mesh_size):
+    def chunk_of(self, coordinate: Any, mesh_size: Any) -> Any:
         """(chunk index, number of chunks) that the rank at ``coordinate`` holds."""
         return coordinate, mesh_size
 
-    def normalized(self, ndim):
+    def normalized(self, ndim: Any) -> Any:
         dim = self.dim + ndim if self.dim < 0 else self.dim
         if not 0 <= dim < max(ndim, 1):
             raise ValueError(f"{self!r} is out of range for a tensor of {ndim} dims")
@@ -63,16 +64,17 @@ class Shard(Placement):
 class StridedShard(Shard):
     __slots__ = ("split_factor",)
 
-    def __init__(self, dim, split_factor):
+    def __init__(self, dim: Any, split_factor: Any) -> None:
         super().__init__(dim)
         self.split_factor = check_int("StridedShard", "split_factor", split_factor, minimum=1,
                                       fix="the positive int size of the later mesh dims that split the dim")
 
-    def with_dim(self, dim):
+    def with_dim(self, dim: Any) -> Any:
         return StridedShard(dim, self.split_factor)
 
     def __eq__(self, other):
-        return type(other) is StridedShard and (other.dim, other.split_factor) == (self.dim, self.split_factor)
+        return (type(other) is StridedShard
+                and (other.dim, other.split_factor) == (self.dim, self.split_factor))
 
     def __hash__(self):
         return hash(("SS", self.dim, self.split_factor))
@@ -90,16 +92,16 @@ class HeadTailShard(Shard):
     tensor, so such a DTensor is never redistributed; it only flows through ops."""
     __slots__ = ("half",)
 
-    def __init__(self, dim, half):
+    def __init__(self, dim: Any, half: Any) -> None:
         super().__init__(dim)
         if half not in (0, 1):
             raise ValueError(f"HeadTailShard half must be 0 or 1, got {half!r}")
         self.half = half
 
-    def with_dim(self, dim):
+    def with_dim(self, dim: Any) -> Any:
         return HeadTailShard(dim, self.half)
 
-    def chunk_of(self, coordinate, mesh_size):
+    def chunk_of(self, coordinate: Any, mesh_size: Any) -> Any:
         return (2 * coordinate if self.half == 0 else 2 * mesh_size - 1 - 2 * coordinate), 2 * mesh_size
 
     def __eq__(self, other):
@@ -115,7 +117,7 @@ class HeadTailShard(Shard):
 class Replicate(Placement):
     __slots__ = ()
 
-    def is_replicate(self):
+    def is_replicate(self) -> bool:
         return True
 
     def __eq__(self, other):
@@ -131,12 +133,12 @@ class Replicate(Placement):
 class Partial(Placement):
     __slots__ = ("reduce_op",)
 
-    def __init__(self, reduce_op="sum"):
+    def __init__(self, reduce_op: str = "sum") -> None:
         if reduce_op not in REDUCE_OPS:
             raise ValueError(f"Partial reduce_op {reduce_op!r} is not one of {REDUCE_OPS}")
         self.reduce_op = reduce_op
 
-    def is_partial(self):
+    def is_partial(self) -> bool:
         return True
 
     def __eq__(self, other):
@@ -149,7 +151,7 @@ class Partial(Placement):
         return f"P({self.reduce_op})"
 
 
-def normalize_placements(placements, ndim, mesh_ndim):
+def normalize_placements(placements: Any, ndim: Any, mesh_ndim: Any) -> Any:
     placements = tuple(placements)
     if len(placements) != mesh_ndim:
         raise ValueError(f"got {len(placements)} placements {placements} for a {mesh_ndim}-D mesh; "

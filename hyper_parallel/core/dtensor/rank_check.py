@@ -15,6 +15,7 @@ up: a rank that passes a signature it has already verified while a peer passes a
 sequence that splits evenly in one step and unevenly in the next) is not caught without debug mode.
 Meta tensors are checked by shape and dtype alone: their message lives on the mesh's device.
 """
+from typing import Any, Iterator
 import contextlib
 import os
 import threading
@@ -32,13 +33,13 @@ _DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "
 _UNKNOWN = 1000
 
 
-def dtype_name(dtype):
+def dtype_name(dtype: Any) -> Any:
     """``torch.float32`` / MindSpore ``Float32`` -> ``float32``."""
     name = str(dtype).lower()
     return name.split(".")[-1]
 
 
-def dtype_code(dtype):
+def dtype_code(dtype: Any) -> Any:
     name = dtype_name(dtype)
     if name in _DTYPE_NAMES:
         return _DTYPE_NAMES.index(name)
@@ -50,7 +51,7 @@ def _code_name(code):
     return _DTYPE_NAMES[code] if 0 <= code < len(_DTYPE_NAMES) else f"<dtype #{code}>"
 
 
-def shape_fields(shape):
+def shape_fields(shape: Any) -> Any:
     """``MAX_DIMS + 1`` ints: the dims (-1 where the tensor has fewer) and a checksum of the rest."""
     dims = [int(s) for s in shape]
     head = dims[:MAX_DIMS] + [-1] * (MAX_DIMS - min(len(dims), MAX_DIMS))
@@ -58,7 +59,7 @@ def shape_fields(shape):
     return head + [tail]
 
 
-def mesh_min_max(mesh, values, device=None):
+def mesh_min_max(mesh: Any, values: Any, device: Any = None) -> Any:
     """(mins, maxs) of the int list ``values`` over every rank of ``mesh``: one small all-reduce
     per mesh dim, counted as ``shape_check``."""
     platform = get_platform()
@@ -74,12 +75,12 @@ def mesh_min_max(mesh, values, device=None):
     return both[:n], [-v for v in both[n:]]
 
 
-def meta_fields(tensor):
+def meta_fields(tensor: Any) -> Any:
     """[ndim, dtype code, shape fields...] of a local tensor."""
     return [len(tensor.shape), dtype_code(tensor.dtype)] + shape_fields(tensor.shape)
 
 
-def describe_disagreement(names, mins, maxs):
+def describe_disagreement(names: Any, mins: Any, maxs: Any) -> str:
     """``ndim 2 vs 3, dtype float32 vs float64, dim 1: 6 vs 7`` for the fields that differ."""
     parts = []
     for name, lo, hi in zip(names, mins, maxs):
@@ -97,11 +98,11 @@ def describe_disagreement(names, mins, maxs):
     return ", ".join(parts)
 
 
-def meta_field_names(prefix=""):
+def meta_field_names(prefix: str = "") -> Any:
     return ["ndim", "dtype"] + [f"{prefix}dim {d}" for d in range(MAX_DIMS)] + ["tail"]
 
 
-def check_same_meta(tensor, mesh, who, fix):
+def check_same_meta(tensor: Any, mesh: Any, who: Any, fix: Any) -> None:
     """ValueError on every rank of ``mesh`` unless every rank's ``tensor`` has the same ndim, dtype
     and shape (one small collective per mesh dim)."""
     mine = meta_fields(tensor)
@@ -118,7 +119,7 @@ def check_same_meta(tensor, mesh, who, fix):
 CHECK_RANKS_ENV = "HP_CHECK_RANKS"
 
 
-def check_every():
+def check_every() -> bool:
     """``HP_CHECK_RANKS=every``: every cross-rank check runs on every call (core/agreement.py and
     this module's; unset or ``first``: at the first call of each signature)."""
     value = os.environ.get(CHECK_RANKS_ENV, "").strip().lower()
@@ -130,7 +131,7 @@ def check_every():
                      f"ranks agree on every call) or unset it (check at the first call of each signature)")
 
 
-def debug_checks():
+def debug_checks() -> Any:
     """``HP_DTENSOR_DEBUG=1`` or ``HP_CHECK_RANKS=every``: check on every call and compare Replicate
     values (a tensor-parallel input that differs per rank; docs/dtensor.md)."""
     return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on") or check_every()
@@ -139,22 +140,22 @@ def debug_checks():
 _VERIFIED = BoundedCache(4096)
 
 
-def needs_check(key):
+def needs_check(key: Any) -> Any:
     """Whether a call with this signature must run the cross-rank check: always in debug mode, else
     only until it has passed once in this process (``mark_verified``)."""
     return debug_checks() or key not in _VERIFIED
 
 
-def mark_verified(key):
+def mark_verified(key: Any) -> None:
     # marked only after the check passed on every rank, so a call that raised is checked again
     _VERIFIED.add(key)
 
 
-def is_meta(tensor):
+def is_meta(tensor: Any) -> bool:
     return bool(getattr(tensor, "is_meta", False))
 
 
-def check_device(tensor, mesh):
+def check_device(tensor: Any, mesh: Any) -> Any:
     """Where the check's small message lives: the tensor's device, except for a meta tensor, which
     has no data to read back: then the mesh's device."""
     if is_meta(tensor):
@@ -167,7 +168,7 @@ _CALLER = threading.local()
 
 
 @contextlib.contextmanager
-def describing(who, uneven_fix=None):
+def describing(who: Any, uneven_fix: Any = None) -> Iterator[None]:
     """Name the caller in the check's messages (a style's hook: ``SequenceParallel(sequence_dim=1)
     input of LayerNorm``) and, with ``uneven_fix``, say how to fix pieces of unequal size in its terms."""
     stack = _CALLER.__dict__.setdefault("stack", [])
@@ -188,7 +189,8 @@ def _placements_code(placements):
     return zlib.crc32(repr(tuple(placements)).encode()) % (1 << 30)
 
 
-def check_pieces(local, mesh, placements, spec, shape_given, problem=None, who="DTensor.from_local"):
+def check_pieces(local: Any, mesh: Any, placements: Any, spec: Any, shape_given: Any, problem: Any = None,
+                 who: str = "DTensor.from_local") -> None:
     """ValueError on every rank of ``mesh`` unless the ranks' ``local`` pieces have one ndim and
     dtype, the same placements, agree on the global shape (``spec.shape``: given or inferred) and
     each piece is the one the layout gives its rank. ``spec`` is None and ``problem`` the error
@@ -243,7 +245,7 @@ def _pieces_message(local, mesh, spec, placements, shape_given, mins, maxs, who)
 
 
 # ---------------------------------------------------------------------- Replicate values
-def check_replicated_values(local, mesh, placements):
+def check_replicated_values(local: Any, mesh: Any, placements: Any) -> None:
     """Debug mode: ValueError on every rank of ``mesh`` unless the piece is the same on every rank
     of each mesh dim it is replicated over (``Replicate`` in ``placements``), naming the largest
     difference. Two all-reduces of the piece per such dim: for debugging only."""
@@ -280,7 +282,7 @@ def check_replicated_values(local, mesh, placements):
                      f"differs per rank")
 
 
-def broadcast_replicated(local, mesh, placements):
+def broadcast_replicated(local: Any, mesh: Any, placements: Any) -> Any:
     """``from_local(run_check=True)`` as in PyTorch: on each mesh dim the piece is replicated over,
     every rank takes the value of the first rank of its line (differentiable as the identity)."""
     platform = get_platform()

@@ -5,6 +5,7 @@ into steps of one collective each; plans are cached here per (mesh, coordinate, 
 Execution pads uneven shards (``torch.chunk`` sizes) to equal blocks for the collective and trims
 them after, so every step stays one collective.
 """
+from typing import Any
 import functools
 
 from hyper_parallel.core.dtensor.layout import chunk_sizes
@@ -17,7 +18,7 @@ def _plan(mesh_shape, coordinate, shape, src, dst):
     return RedistributePlanner(mesh_shape, coordinate, shape, src, dst).plan()
 
 
-def plan_redistribute(mesh, shape, src, dst):
+def plan_redistribute(mesh: Any, shape: Any, src: Any, dst: Any) -> Any:
     """The cached plan taking ``src`` placements to ``dst`` for a tensor of global ``shape``."""
     return _plan(mesh.mesh_shape, mesh.get_coordinate(), tuple(shape), tuple(src), tuple(dst))
 
@@ -103,7 +104,7 @@ def _partition(local, op, me, n):
     return local if me == 0 else platform.zeros_like(local)
 
 
-def redistribute_local(local, mesh, shape, src, dst):
+def redistribute_local(local: Any, mesh: Any, shape: Any, src: Any, dst: Any) -> Any:
     """Move ``local`` (the shard of a ``shape`` tensor laid out as ``src``) to layout ``dst``."""
     if mesh.get_coordinate() is None:
         return local  # a rank outside the mesh keeps its empty piece and joins no collective (PyTorch)

@@ -7,6 +7,7 @@ gradient is cast to ``backward_dtype`` (default: the input's dtype) before the b
 collective, and the gradient returned to the input is always in the input's dtype, as autograd
 requires.
 """
+from typing import Any
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
 from hyper_parallel.core.dtensor.layout import grad_placements
@@ -44,7 +45,7 @@ class _NoCtx:
     pass
 
 
-def redistribute_cast(dtensor, placements, forward_dtype, backward_dtype):
+def redistribute_cast(dtensor: Any, placements: Any, forward_dtype: Any, backward_dtype: Any) -> Any:
     """``dtensor`` in ``placements`` (normalised), cast as described above (differentiable)."""
     platform = get_platform()
     if platform.is_grad_enabled() and dtensor.requires_grad:

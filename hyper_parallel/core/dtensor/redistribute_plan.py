@@ -1,4 +1,5 @@
 """The redistribution planner: a pair of layouts becomes a short list of single collectives."""
+from typing import Any, Optional
 from dataclasses import dataclass
 
 from hyper_parallel.core.dtensor.layout import chunk_range, chunk_sizes, dim_range, shard_orders
@@ -38,16 +39,18 @@ class RedistributePlanner:
     caller (``redistribute._plan``) caches plans per (mesh, coordinate, shape, src, dst).
     """
 
-    def __init__(self, mesh_shape, coordinate, shape, src, dst):
+    def __init__(self, mesh_shape: Any, coordinate: Any, shape: Any, src: Any, dst: Any) -> None:
         self.mesh_shape, self.coordinate, self.shape = mesh_shape, coordinate, shape
         self.src, self.dst = src, dst
-        self.orders = self.target = self.state = None
-        self.steps = []
+        self.orders: Any = None
+        self.target: Any = None
+        self.state: Optional[list[Any]] = None
+        self.steps: list[Any] = []
         # chunking only depends on the kind of shard per mesh dim; HeadTail only appears in dst
         self.chunk_layout = tuple(dst[m] if isinstance(dst[m], HeadTailShard) else Shard(0)
                                   for m in range(len(src)))
 
-    def plan(self):
+    def plan(self) -> Any:
         """The steps, as a tuple."""
         if self.src == self.dst:
             return ()

@@ -15,6 +15,7 @@ Each rank routes its own tokens. One call:
 
 Assignments to expert index ``E`` (Hugging Face's "no expert" slot) are dropped (zero output).
 """
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Tuple
 
@@ -95,8 +96,12 @@ def plan_routing(top_k_index: Any, num_experts: int, group: Any, ep: int,
                  device: Any) -> RoutingPlan:
     """Sort this rank's assignments by expert and exchange the counts (one small all-to-all)."""
     platform = get_platform()
-    flat = host_ints(top_k_index).reshape(-1)
     top_k = int(top_k_index.shape[-1]) if len(top_k_index.shape) else 1
+    fake = platform.is_fake(top_k_index)
+    # a dry run (hyper_parallel.plan) has no router values: it assumes balanced routing, assignment i
+    # (token i // k, choice i % k) to expert i mod E, the same on every rank
+    flat = (np.arange(math.prod(top_k_index.shape), dtype=np.int64) % num_experts if fake
+            else host_ints(top_k_index).reshape(-1))
     # an index outside [0, E] travels as a flag with the counts, so every rank raises (none waits)
     bad = int(flat.size > 0 and (flat.min() < 0 or flat.max() > num_experts))
     if bad:
@@ -106,7 +111,10 @@ def plan_routing(top_k_index: Any, num_experts: int, group: Any, ep: int,
     n_sent = int(counts.sum())
     local = num_experts // ep
     table = np.concatenate([counts.reshape(ep, local), np.full((ep, 1), bad, dtype=np.int64)], 1)
-    received = host_ints(platform.all_to_all_single(platform.tensor(table, device=device), group))
+    received = platform.all_to_all_single(platform.tensor(table, device=device), group)
+    # dry run: every source routes alike, so each sends this rank the block for this rank's experts
+    received = (np.tile(table[platform.get_rank(group)], (ep, 1)) if platform.is_fake(received)
+                else host_ints(received))
     received = received.reshape(ep, local + 1)
     if received[:, -1].any():
         raise ValueError(f"ExpertParallel: router indices outside [0, {num_experts}] ({num_experts} = no "

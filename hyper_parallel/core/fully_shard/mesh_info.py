@@ -1,5 +1,6 @@
 """The mesh fully_shard shards over: which dim shards, which replicates (HSDP), and the layout a
 parameter takes on it (a tensor-parallel DTensor joins its TP mesh: the (dp_shard, tp) mesh)."""
+from typing import Any
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard, StridedShard
 from hyper_parallel.core.dtensor.spec import DTensorSpec
@@ -11,7 +12,7 @@ class FSDPMeshInfo:
     """``shard_group`` (size ``shard_size``, this rank at ``shard_rank``) all-gathers parameters and
     reduce-scatters gradients; ``replicate_group`` (HSDP only) all-reduces the reduced shards."""
 
-    def __init__(self, mesh):
+    def __init__(self, mesh: Any) -> None:
         check_mesh(mesh)
         self.mesh = mesh
         self.shard_dim = mesh.ndim - 1
@@ -21,7 +22,7 @@ class FSDPMeshInfo:
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.replicate_size = mesh.size(0) if mesh.ndim == 2 else 1
 
-    def sharded_spec(self, shape, tp_spec, name):
+    def sharded_spec(self, shape: Any, tp_spec: Any, name: str) -> Any:
         """The spec of a parameter's shard: dim 0 split over the shard dim (replicated over
         dp_replicate); a TP DTensor keeps its TP placement on the concatenated mesh, and when TP
         also splits dim 0 the dp split applies to the TP shard (StridedShard), so that gathering
@@ -50,14 +51,14 @@ class FSDPMeshInfo:
         dp_index = names.index(self.mesh.mesh_dim_names[-1])
         if tp_placement.is_shard(0) and tp_index > dp_index:
             dp[-1] = StridedShard(0, tp_mesh.size())
-        placements = [None] * joint.ndim
+        placements: list[Any] = [None] * joint.ndim
         for d, name_ in enumerate(self.mesh.mesh_dim_names):
             placements[names.index(name_)] = dp[d]
         placements[tp_index] = tp_placement
         return DTensorSpec(joint, tuple(placements), tuple(shape))
 
 
-def check_mesh(mesh):
+def check_mesh(mesh: Any) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"fully_shard(mesh={mesh!r}): pass a hyper_parallel DeviceMesh (init_device_mesh)")
     names = mesh.mesh_dim_names

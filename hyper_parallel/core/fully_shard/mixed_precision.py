@@ -1,4 +1,5 @@
 """MixedPrecisionPolicy: the dtypes of gathered parameters, of gradient reduction and of outputs."""
+from typing import Any
 from dataclasses import dataclass
 
 from hyper_parallel.platform import get_platform
@@ -31,14 +32,14 @@ def _is_floating(platform, dtype):
         return False
 
 
-def check_policy(mp_policy):
+def check_policy(mp_policy: Any) -> Any:
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise ValueError(f"fully_shard(mp_policy={mp_policy!r}): pass a hyper_parallel.MixedPrecisionPolicy "
                          f"or None")
     return mp_policy or MixedPrecisionPolicy()
 
 
-def compute_dtypes(policy, orig_dtype):
+def compute_dtypes(policy: Any, orig_dtype: Any) -> Any:
     """(gathered parameter dtype, gradient reduction dtype) of a parameter of ``orig_dtype``."""
     param_dtype = policy.param_dtype or orig_dtype
     return param_dtype, policy.reduce_dtype or param_dtype

@@ -10,6 +10,7 @@ for a tensor-parallel parameter a DTensor of its TP layout) and keeps its identi
 frees its memory, unsharding refills the same object, so tensors autograd saved in forward are
 valid again when backward re-gathers.
 """
+from typing import Any
 import math
 
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
@@ -19,7 +20,7 @@ from hyper_parallel.platform import get_platform
 
 
 class FSDPParam:
-    def __init__(self, locations, param, mesh_info, text=None):
+    def __init__(self, locations: Any, param: Any, mesh_info: Any, text: Any = None) -> None:
         """``locations``: every (module, attribute name) holding ``param`` (tied weights have several);
         ``text``: how errors name it (its path in the unit)."""
         platform = get_platform()
@@ -46,21 +47,21 @@ class FSDPParam:
         self.sharded = platform.Parameter(dt, requires_grad=self.requires_grad)
         self.swap(self.sharded)
         self.offset = 0            # of this parameter's piece in a rank's flat buffer (set by the group)
-        self.unsharded = None      # the gathered parameter the module computes with
-        self.unsharded_local = None
+        self.unsharded: Any = None      # the gathered parameter the module computes with
+        self.unsharded_local: Any = None
         self.accumulated = None    # unreduced gradient kept by set_requires_gradient_sync(False)
 
     # ------------------------------------------------------------------ identity
-    def swap(self, value):
+    def swap(self, value: Any) -> None:
         platform = get_platform()
         for module, attr in self.locations:
             platform.swap_parameter(module, attr, value)
 
-    def refresh(self):
+    def refresh(self) -> None:
         """Adopt the registered DTensor if the module replaced it (``to_empty`` makes new
         parameter objects); must run while sharded."""
         module, attr = self.locations[0]
-        current = dict(get_platform().named_parameters(module)).get(attr)
+        current: Any = dict(get_platform().named_parameters(module)).get(attr)
         replaced = current is not self.sharded and isinstance(current, DTensor)
         if replaced and current._spec == self.sharded._spec:
             wrap_state.retire(self.sharded, self.text)
@@ -72,14 +73,14 @@ class FSDPParam:
                              f"device; call model.to_empty(device=...) and initialise the parameters before "
                              f"the first forward")
 
-    def set_requires_grad(self, flag):
+    def set_requires_grad(self, flag: Any) -> None:
         """Adopt a ``requires_grad`` the user changed after wrapping, on both of its objects."""
         self.requires_grad = flag
         for tensor in (self.sharded, self.unsharded):
             if tensor is not None and bool(tensor.requires_grad) != flag:
                 tensor.requires_grad_(flag)
 
-    def init_unsharded(self, dtype):
+    def init_unsharded(self, dtype: Any) -> None:
         """Create the unsharded tensor once (its memory freed until the first unshard)."""
         local = self.sharded._local_tensor
         if self.unsharded is not None and self.unsharded_local.dtype == dtype and \
@@ -96,14 +97,14 @@ class FSDPParam:
         platform.free_storage(self.unsharded_local)
 
     # ------------------------------------------------------------------ all-gather side
-    def copy_shard_into(self, flat):
+    def copy_shard_into(self, flat: Any) -> None:
         """This rank's shard into its padded slot of the flat all-gather input (casting)."""
         local = self.sharded._local_tensor
         n = local.numel()
         if n:
             flat[self.offset:self.offset + n].copy_(local.reshape(-1))
 
-    def copy_gathered_out(self, gathered):
+    def copy_gathered_out(self, gathered: Any) -> None:
         """Fill the unsharded tensor from ``gathered`` ([ranks, flat size]): whole blocks in one copy,
         then the one partial block of an uneven split."""
         platform = get_platform()
@@ -118,11 +119,11 @@ class FSDPParam:
         if rest:
             dst[full * self.padded_numel:].copy_(src[full, :rest])
 
-    def free(self):
+    def free(self) -> None:
         get_platform().free_storage(self.unsharded_local)
 
     # ------------------------------------------------------------------ reduce-scatter side
-    def take_grad(self):
+    def take_grad(self) -> Any:
         """The unsharded gradient as a plain tensor in the unsharded layout (a TP gradient in its
         TP layout first), plus any accumulated one; detached from the parameter."""
         grad = self.unsharded.grad
@@ -135,13 +136,13 @@ class FSDPParam:
             self.accumulated = None
         return grad
 
-    def accumulate(self, reduce_dtype):
+    def accumulate(self, reduce_dtype: Any) -> None:
         """set_requires_gradient_sync(False): keep the gradient unreduced, in the reduction dtype."""
         grad = self.take_grad()
         if grad is not None:
             self.accumulated = grad.to(reduce_dtype)
 
-    def copy_grad_into(self, flat2d, grad):
+    def copy_grad_into(self, flat2d: Any, grad: Any) -> None:
         """``grad`` into the padded blocks of the reduce-scatter input ([ranks, flat size]); the
         padding stays as it is (summed, never read)."""
         dst = flat2d[:, self.offset:self.offset + self.padded_numel]
@@ -154,11 +155,11 @@ class FSDPParam:
         if rest:
             dst[full, :rest].copy_(src[full * self.padded_numel:])
 
-    def zero_grad_slot(self, flat2d):
+    def zero_grad_slot(self, flat2d: Any) -> None:
         """Zeros in this parameter's blocks of the reduce-scatter input (no gradient on this rank)."""
         flat2d[:, self.offset:self.offset + self.padded_numel].zero_()
 
-    def set_sharded_grad(self, shard_flat):
+    def set_sharded_grad(self, shard_flat: Any) -> None:
         """This rank's reduced rows from the flat reduce-scatter output, as the DTensor gradient of
         ``sharded`` (added to an existing one, as autograd accumulates)."""
         local = self.sharded._local_tensor

@@ -5,6 +5,7 @@ Layout of a rank's flat buffer: each parameter's padded piece at its ``offset``.
 output is [ranks, flat size]; parameter p's full tensor is column block p, rows in rank order.
 The reduce-scatter input has that same layout, so each rank receives exactly its flat buffer.
 """
+from hyper_parallel.core.data_parallel.reducer import Collective, FlatReduction
 from hyper_parallel.core.fully_shard import wrap_state
 from hyper_parallel.core.fully_shard.mixed_precision import compute_dtypes
 from hyper_parallel.platform import get_platform
@@ -24,7 +25,7 @@ class FSDPParamGroup:
             self.flat_numel += p.padded_numel
         self.state = SHARDED
         self._gather = None          # the async all-gather while UNSHARDING
-        self._reduce = None          # (async reduction, parameters with a gradient) until backward ends
+        self._reduce = None          # the PendingReduction of this backward's gradients until it ends
         self.reshard_after_forward = True
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
@@ -106,9 +107,10 @@ class FSDPParamGroup:
         """Launch the reduce-scatter of this backward's gradients (or keep them unreduced under
         set_requires_gradient_sync(False)); once per backward. Every rank calls it for every unit
         at the same point of backward (state.py), whatever gradients it holds, so the collectives
-        stay matched: a parameter without a gradient here sends zeros, and each row carries one
-        presence flag per parameter, so that a gradient some rank has reaches every rank's shard
-        (MoE experts a rank routed nothing to) while one no rank has stays None."""
+        stay matched: the one gradient reducer (core/data_parallel/reducer.py) sends zeros for a
+        parameter without a gradient here and one presence flag per parameter in each row, so that
+        a gradient some rank has reaches every rank's shard (MoE experts a rank routed nothing to)
+        while one no rank has stays None."""
         if self._reduce is not None or not self.trainable:
             return
         reduce_dtype = self.dtypes()[1]
@@ -118,45 +120,35 @@ class FSDPParamGroup:
                 for p in self.trainable:
                     p.accumulate(reduce_dtype)
                 return
-            n, width = self.mesh_info.shard_size, self.flat_numel + len(self.params)
-            # not zero-filled: padding sums land where set_sharded_grad never reads
-            flat = platform.empty((n * width,), dtype=reduce_dtype,
-                                  device=self.params[0].sharded._local_tensor.device)
-            flat2d = flat.view(n, width)
-            flags = flat2d[:, self.flat_numel:]
-            flags.zero_()
-            with_grad = []
-            for i, p in enumerate(self.params):
-                grad = p.take_grad() if p.requires_grad else None
-                if grad is None:
-                    p.zero_grad_slot(flat2d)
-                    continue
-                p.copy_grad_into(flat2d, grad)
-                flags[:, i] = 1
-                with_grad.append(p)
-            handle = platform.reduce_scatter(flat, self.mesh_info.shard_group, 0, op=self.op, async_op=True)
-        self._reduce = (handle, with_grad)
+            grads = [p.take_grad() if p.requires_grad else None for p in self.params]
+
+            def fill(flat2d):
+                # padding columns are left as they are: their sums land where set_sharded_grad never reads
+                for p, grad in zip(self.params, grads):
+                    if grad is None:
+                        p.zero_grad_slot(flat2d)
+                    else:
+                        p.copy_grad_into(flat2d, grad)
+            reduction = FlatReduction(Collective.REDUCE_SCATTER, self.mesh_info.shard_group, self.op)
+            self._reduce = reduction.launch_rows(
+                self.mesh_info.shard_size, self.flat_numel, [g is not None for g in grads], reduce_dtype,
+                self.params[0].sharded._local_tensor.device, fill)
 
     def start_replicate_reduce(self):
         """HSDP: once the reduce-scatter is done, all-reduce the shard over dp_replicate (async)."""
         if self._reduce is None or self.mesh_info.replicate_group is None:
             return
-        handle, with_grad = self._reduce
-        self._reduce = (get_platform().all_reduce(handle.wait(), self.mesh_info.replicate_group, op=self.op,
-                                                  async_op=True), with_grad)
+        self._reduce.then_all_reduce(self.mesh_info.replicate_group)
 
     def finish_reduce(self):
-        """Wait for this unit's reduction and hand each parameter its sharded gradient."""
+        """Wait for this unit's reduction and hand each parameter its sharded gradient: those a rank
+        had (one no rank reached keeps None, as in one process)."""
         if self._reduce is None:
             return
-        handle, with_grad = self._reduce
-        self._reduce = None
-        shard = handle.wait()
-        if len(with_grad) < len(self.trainable):
-            # a parameter had no gradient here: the summed flags say whether any rank had one (a
-            # host read, on this path only); one no rank reached keeps None, as in one process
-            flags = shard[self.flat_numel:].tolist()
-            with_grad = [p for p, flag in zip(self.params, flags) if p.requires_grad and flag > 0]
+        pending, self._reduce = self._reduce, None
+        shard = pending.wait()
         with get_platform().no_grad():
-            for p in with_grad:
-                p.set_sharded_grad(shard)
+            wanted = [p.requires_grad for p in self.params]
+            for p, anywhere in zip(self.params, pending.present_anywhere(shard, wanted)):
+                if anywhere:
+                    p.set_sharded_grad(shard)

@@ -14,6 +14,7 @@ what is left, waits for the reductions and hands out the sharded gradients. Its 
 re-reads what the user may have changed since wrapping (wrap_state.py), and every unit's forward
 checks that the ranks run the same unit and call.
 """
+from typing import Any
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.dtensor.dispatch.tree import tree_flatten
 from hyper_parallel.core.agreement import check_every
@@ -24,7 +25,7 @@ from hyper_parallel.platform import get_platform
 
 
 class FSDPState:
-    def __init__(self, module, group):
+    def __init__(self, module: Any, group: Any) -> None:
         self.module = module
         self.group = group
         self.schedule = None     # shared with the root once the root initialised
@@ -91,10 +92,11 @@ class FSDPState:
             self.schedule.begin_forward()
         self.schedule.record_pre_forward(self)
         wrap_state.agree_call(self.group.mesh_info.mesh, self, self.schedule.calls_of(self))
-        self.group.wait_for_unshard()
-        following = self.schedule.next_forward(self)
-        if following is not None:
-            following.group.unshard()    # overlaps this unit's compute
+        with get_platform().profile_range("hyper_parallel::fully_shard::all_gather"):
+            self.group.wait_for_unshard()
+            following = self.schedule.next_forward(self)
+            if following is not None:
+                following.group.unshard()    # overlaps this unit's compute
         if get_platform().is_grad_enabled() and self.group.trainable:
             args, kwargs = self._hook_post_backward(args, kwargs)
         policy = self.group.policy
@@ -135,10 +137,11 @@ class FSDPState:
         if self.is_root and not self.schedule.pending_final:
             self.schedule.pending_final = True
             get_platform().queue_backward_callback(self._finish_backward)
-        self.group.wait_for_unshard()
-        following = self.schedule.next_backward(self)
-        if following is not None:
-            following.group.unshard()
+        with get_platform().profile_range("hyper_parallel::fully_shard::all_gather"):
+            self.group.wait_for_unshard()
+            following = self.schedule.next_backward(self)
+            if following is not None:
+                following.group.unshard()
 
     def _hook_post_backward(self, args, kwargs):
         """Run ``_post_backward`` once backward has passed every input of this call that needs a
@@ -171,7 +174,8 @@ class FSDPState:
         self._uses -= 1
         if self._uses > 0 or self._defer:   # another call's backward is still to come
             return
-        self.group.reduce_grads()
+        with get_platform().profile_range("hyper_parallel::fully_shard::reduce_scatter"):
+            self.group.reduce_grads()
         if self.group.reshard_after_backward:
             self.group.reshard()
 
@@ -192,15 +196,16 @@ class FSDPState:
             return
         schedule.pending_final = False
         groups = [s.group for s in schedule.states]
-        for state in schedule.states:
-            if state.group.backward_pending:
-                state.group.reduce_grads()
-            state.group.backward_pending = False
-            state._uses, state._defer = 0, False
-        for group in groups:
-            group.start_replicate_reduce()
-        for group in groups:
-            group.finish_reduce()
+        with get_platform().profile_range("hyper_parallel::fully_shard::reduce_scatter"):
+            for state in schedule.states:
+                if state.group.backward_pending:
+                    state.group.reduce_grads()
+                state.group.backward_pending = False
+                state._uses, state._defer = 0, False
+            for group in groups:
+                group.start_replicate_reduce()
+            for group in groups:
+                group.finish_reduce()
         for group in groups:
             if group.reshard_after_backward:
                 group.reshard()

@@ -21,9 +21,11 @@ autograd keeps the gathered tensors it saved until backward (so backward does no
 issued inside this unit's differentiated call), and gradient accumulation without reduction
 (``set_requires_gradient_sync(False)``) has no place to keep an unreduced full gradient.
 """
+from typing import Any
 import math
 
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
+from hyper_parallel.core.data_parallel.reducer import Collective, FlatReduction
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.layout import chunk_range
 from hyper_parallel.core.fully_shard.state import _cast_floating
@@ -37,12 +39,13 @@ def _gather_forward(ctx, flat, mesh_info, op, reduce_dtype):
 
 def _gather_backward(ctx, grad):
     """The flat gradient of every rank, reduce-scattered: this rank's flat piece, reduced."""
-    platform, info = get_platform(), ctx.mesh_info
+    info = ctx.mesh_info
     if grad.dtype != ctx.reduce_dtype:
         grad = grad.to(ctx.reduce_dtype)
-    shard = platform.reduce_scatter(grad, info.shard_group, 0, op=ctx.op)
-    if info.replicate_group is not None:
-        shard = platform.all_reduce(shard, info.replicate_group, op=ctx.op)
+    # the one gradient reducer's reduce-scatter (core/data_parallel/reducer.py); no presence flags:
+    # the graph gives every rank a (possibly zero) gradient for every gathered parameter
+    reduction = FlatReduction(Collective.REDUCE_SCATTER, info.shard_group, ctx.op, async_op=False)
+    shard = reduction.reduce_flat(grad, info.replicate_group)
     if shard.dtype != ctx.dtype:
         shard = shard.to(ctx.dtype)
     return shard, None, None, None
@@ -79,7 +82,7 @@ def _check_owned(owned, mesh_info):
 class TupleParam:
     """One parameter: its sharded DTensor view (local: the Cell's Parameter) and its padded slot."""
 
-    def __init__(self, module, name, param, mesh_info):
+    def __init__(self, module: Any, name: str, param: Any, mesh_info: Any) -> None:
         label = f"{type(module).__name__}.{name}"
         global_shape = tuple(param.shape)
         # a tensor-parallel parameter: fully_shard splits (and gathers back) this rank's TP shard
@@ -98,7 +101,7 @@ class TupleParam:
         self.view = dict(get_platform().named_parameters(module))[name]
         self.offset = 0
 
-    def padded_piece(self, dtype):
+    def padded_piece(self, dtype: Any) -> Any:
         """This rank's rows, flat, cast to ``dtype`` and padded with zeros to ``padded_numel``."""
         platform = get_platform()
         local = self.view._local_tensor
@@ -110,7 +113,7 @@ class TupleParam:
             pieces.append(platform.zeros((missing,), dtype=dtype))
         return pieces
 
-    def gathered(self, gathered2d):
+    def gathered(self, gathered2d: Any) -> Any:
         """The whole parameter from the all-gather's [ranks, flat size] output: the ranks' padded
         pieces are its rows in order, padding only at the end (rows split as chunk splits them)."""
         block = gathered2d[:, self.offset:self.offset + self.padded_numel].reshape(-1)
@@ -121,7 +124,7 @@ class TupleParam:
 class TupleUnit:
     """One fully_shard unit on a tuple-gradient platform: the hooks of the module docstring."""
 
-    def __init__(self, module, owned, mesh_info, policy, average):
+    def __init__(self, module: Any, owned: Any, mesh_info: Any, policy: Any, average: Any) -> None:
         _check_owned(owned, mesh_info)   # all of them before the first parameter changes
         self.params = [TupleParam(locations[0][0], locations[0][1], param, mesh_info)
                        for param, locations in owned]
@@ -147,7 +150,7 @@ class TupleUnit:
         param_dtype = self.policy.param_dtype or orig
         return param_dtype, self.policy.reduce_dtype or param_dtype
 
-    def unshard(self):
+    def unshard(self) -> None:
         """Gather and install the whole parameters (differentiably when the framework records)."""
         if self.unsharded or not self.params:
             return
@@ -160,13 +163,13 @@ class TupleUnit:
             platform.swap_parameter(p.module, p.name, p.gathered(gathered2d))
         self.unsharded = True
 
-    def reshard(self):
+    def reshard(self) -> None:
         platform = get_platform()
         for p in self.params:
             platform.swap_parameter(p.module, p.name, p.view)
         self.unsharded = False
 
-    def set_flag(self, field, flag):
+    def set_flag(self, field: Any, flag: Any) -> None:
         """set_requires_gradient_sync / set_reshard_after_forward / set_reshard_after_backward."""
         if field == "requires_gradient_sync" and not flag:
             raise NotImplementedError(f"set_requires_gradient_sync(False) on {get_platform().name}: the "

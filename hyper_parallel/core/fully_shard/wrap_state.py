@@ -20,7 +20,7 @@ The record is keyed by ``id`` with a weak reference that removes the entry when 
 so an id reused by a new object never matches.
 """
 import weakref
-from typing import Optional
+from typing import Any, Optional
 
 from hyper_parallel.core.agreement import check_agreement
 from hyper_parallel.core.bounded_cache import lifetime_key
@@ -32,7 +32,7 @@ _SHARDED: dict = {}    # id -> (weakref, text): the sharded DTensors fully_shard
 _HOOKED = [False]
 
 
-def _remember(table: dict, obj: object, text: str) -> None:
+def _remember(table: dict, obj: Any, text: str) -> None:
     key = id(obj)
 
     def forget(ref, key=key):
@@ -44,26 +44,26 @@ def _remember(table: dict, obj: object, text: str) -> None:
         pass
 
 
-def _lookup(table: dict, obj: object) -> Optional[str]:
+def _lookup(table: dict, obj: Any) -> Optional[str]:
     entry = table.get(id(obj))
     if entry is None or entry[0]() is not obj:
         return None
     return entry[1]
 
 
-def module_paths(root: object) -> dict:
+def module_paths(root: Any) -> dict:
     """id(module) -> dotted path under ``root`` ("" for the root)."""
     return {id(m): name for name, m in get_platform().named_modules(root)}
 
 
-def describe(paths: dict, unit: object, locations: list) -> str:
+def describe(paths: dict, unit: Any, locations: list) -> str:
     module, attr = locations[0]
     path = paths.get(id(module))
     where = f"{path}.{attr}" if path else attr
     return f"'{where}' of the {type(unit).__name__} unit"
 
 
-def check_wrappable(unit: object, owned: list) -> None:
+def check_wrappable(unit: Any, owned: list) -> None:
     """Before ``unit`` changes: none of its parameters may belong to another unit already."""
     paths = module_paths(unit)
     for param, locations in owned:
@@ -86,20 +86,20 @@ def check_wrappable(unit: object, owned: list) -> None:
                 f"instead of to each separately, or untie the weights before fully_shard")
 
 
-def record(param: object, sharded: object, text: str) -> None:
+def record(param: Any, sharded: Any, text: str) -> None:
     """``param`` was replaced by ``sharded`` (the parameter ``text``)."""
     _remember(_REPLACED, param, text)
     _remember(_SHARDED, sharded, text)
     install_optimizer_check()
 
 
-def retire(old_sharded: object, text: str) -> None:
+def retire(old_sharded: Any, text: str) -> None:
     """The module adopted a new sharded object (``to_empty``): the old one trains nothing any more."""
     _remember(_REPLACED, old_sharded, text)
 
 
 # ---------------------------------------------------------------------- optimizers
-def check_optimizer(optimizer: object, args: tuple = (), kwargs: Optional[dict] = None) -> None:
+def check_optimizer(optimizer: Any, args: tuple = (), kwargs: Optional[dict] = None) -> None:
     """Raise if ``optimizer`` holds a Parameter fully_shard replaced (it would train nothing)."""
     if not _REPLACED:
         return
@@ -121,7 +121,7 @@ def install_optimizer_check() -> None:
 
 
 # ---------------------------------------------------------------------- every forward
-def _replaced_error(p: object, current: object) -> ValueError:
+def _replaced_error(p: Any, current: Any) -> ValueError:
     """A parameter whose object changed: nothing fully_shard could adopt."""
     what = (f"a {type(current).__name__} of shape {tuple(current.shape)}" if current is not None
             else "nothing")
@@ -132,7 +132,7 @@ def _replaced_error(p: object, current: object) -> ValueError:
         f"with torch.no_grad(): param.copy_(value))")
 
 
-def sync_param(p: object, sharded_now: bool, may_retype: bool) -> bool:
+def sync_param(p: Any, sharded_now: bool, may_retype: bool) -> bool:
     """Compare what the module holds for ``p`` with the record; adopt a changed ``requires_grad``
     or dtype (returns True), raise on anything else that changed."""
     held = [getattr(module, attr, None) for module, attr in p.locations]
@@ -164,7 +164,7 @@ def sync_param(p: object, sharded_now: bool, may_retype: bool) -> bool:
     return changed
 
 
-def check_no_new_parameters(root: object, states: list) -> None:
+def check_no_new_parameters(root: Any, states: list) -> None:
     """A Parameter added under the root after wrapping (a new attribute of a wrapped module) would be
     neither sharded, gathered nor reduced: each rank would keep its own gradient and the replicas
     would drift. Every parameter under the root is one a unit manages (its sharded or gathered
@@ -178,7 +178,7 @@ def check_no_new_parameters(root: object, states: list) -> None:
                 f"before fully_shard (build the module, then wrap it)")
 
 
-def agree(mesh: object, states: list, schedule: object) -> None:
+def agree(mesh: Any, states: list, schedule: Any) -> None:
     """The units' parameters (shapes, dtypes, requires_grad) and unit order agree on every rank."""
     settings = {"number of fully_shard units": len(states),
                 "unit classes": tuple(type(s.module).__name__ for s in states)}
@@ -191,7 +191,7 @@ def agree(mesh: object, states: list, schedule: object) -> None:
                         "freeze / unfreeze / cast the same parameters on every rank")
 
 
-def agree_at_wrap(mesh: object, unit: object, owned: list) -> None:
+def agree_at_wrap(mesh: Any, unit: Any, owned: list) -> None:
     """Wrap time (the tuple-gradient path, whose units have no root forward to check at): every
     rank wraps a module of this class with parameters of the same paths, shapes and dtypes."""
     paths = module_paths(unit)
@@ -203,7 +203,7 @@ def agree_at_wrap(mesh: object, unit: object, owned: list) -> None:
         fix="build the same model on every rank and apply fully_shard to the same modules in the same order")
 
 
-def agree_call(mesh: object, state: object, calls: int) -> None:
+def agree_call(mesh: Any, state: Any, calls: int) -> None:
     """A unit's all-gather is about to run: every rank is at the same unit and call."""
     check_agreement(mesh, "fully_shard unit call",
                     {"unit": state.path, "call of the unit in this forward": calls},

@@ -13,6 +13,7 @@ the row maxima and one of (sum of exponentials, target logit) — a few numbers 
 global log-sum-exp; the gradient of hidden (each rank's share from its columns) is all-reduced
 once at the end of backward, the weight's gradient stays a local shard.
 """
+from typing import Any
 import inspect
 import math
 
@@ -37,7 +38,7 @@ class _Plan:
 _OPTIONS = ("chunk_size", "ignore_index", "reduction", "class_weight")
 
 
-def chunked_cross_entropy(hidden, *args, **kwargs):
+def chunked_cross_entropy(hidden: Any, *args: Any, **kwargs: Any) -> Any:
     """``F.cross_entropy(hidden @ weight.T, labels, weight=class_weight, ignore_index=, reduction=)``
     without the logits: ``chunked_cross_entropy(hidden, weight, labels, *, chunk_size=1024,
     ignore_index=-100, reduction="sum", class_weight=None)``.
@@ -78,7 +79,7 @@ def _chunked_cross_entropy(hidden, weight, labels, *, chunk_size=DEFAULT_CHUNK, 
 
 
 # help() and IDEs show the real arguments; the public function takes *args only to name mistakes
-chunked_cross_entropy.__signature__ = inspect.signature(_chunked_cross_entropy)
+chunked_cross_entropy.__signature__ = inspect.signature(_chunked_cross_entropy)  # type: ignore[attr-defined]
 
 
 def _check_class_weight(class_weight, vocab):

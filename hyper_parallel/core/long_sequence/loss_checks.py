@@ -4,6 +4,7 @@ Every check reads only arguments every rank of the TP group holds alike (shapes,
 the labels), so a bad call raises the same ``ValueError`` on every rank before the first all-reduce;
 that they really are alike is checked first (``agree_across_vocab_shards``, core/agreement.py).
 """
+from typing import Any
 from hyper_parallel.core.dtensor.layout import chunk_range
 from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.platform import get_platform
@@ -11,7 +12,8 @@ from hyper_parallel.platform import get_platform
 REDUCTIONS = ("sum", "mean", "none")
 
 
-def agree_across_vocab_shards(hidden, weight, labels, chunk_size, ignore_index, reduction):
+def agree_across_vocab_shards(hidden: Any, weight: Any, labels: Any, chunk_size: Any, ignore_index: Any,
+                              reduction: Any) -> None:
     """With a vocab-sharded weight, every rank of its TP group computes part of the same loss, so
     they must pass the same arguments, hidden of one shape and the same labels: a ValueError on
     every rank otherwise (core/agreement.py), before any per-rank check could raise alone. The
@@ -20,7 +22,7 @@ def agree_across_vocab_shards(hidden, weight, labels, chunk_size, ignore_index, 
     ``HP_CHECK_RANKS=every`` (labels change every step; a digest per step would be a host read per
     step). Only the TP dim: data-parallel ranks hold other labels legitimately."""
     from hyper_parallel.core.agreement import Deferred, check_agreement, tensor_digest
-    placements = getattr(weight, "placements", None)
+    placements: Any = getattr(weight, "placements", None)
     split = [m for m, p in enumerate(placements or ()) if p.is_shard()]
     if len(split) != 1:
         return   # a plain weight: no group; other layouts are refused (the same on every rank) later
@@ -35,7 +37,8 @@ def agree_across_vocab_shards(hidden, weight, labels, chunk_size, ignore_index, 
                         "options (the labels of the same tokens)")
 
 
-def check_arguments(hidden, weight, labels, chunk_size, ignore_index, reduction):
+def check_arguments(hidden: Any, weight: Any, labels: Any, chunk_size: Any, ignore_index: Any,
+                    reduction: Any) -> None:
     who = "chunked_cross_entropy"
     agree_across_vocab_shards(hidden, weight, labels, chunk_size, ignore_index, reduction)
     if reduction not in REDUCTIONS:
@@ -64,7 +67,7 @@ def check_arguments(hidden, weight, labels, chunk_size, ignore_index, reduction)
                          f"fine as a plain tensor with its own labels)")
 
 
-def vocab_shard(weight):
+def vocab_shard(weight: Any) -> Any:
     """(local weight, TP group or None, first vocab row held here, global vocab size)."""
     vocab = int(weight.shape[0])
     if not hasattr(weight, "device_mesh"):
@@ -84,7 +87,7 @@ def vocab_shard(weight):
     return local, mesh.get_group(dim), start, vocab
 
 
-def check_labels(labels, vocab, ignore_index):
+def check_labels(labels: Any, vocab: Any, ignore_index: Any) -> None:
     """Labels outside [0, vocab) other than ``ignore_index`` would silently add a wrong loss."""
     bad = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
     if not get_platform().is_fake(bad) and bool(bad.any()):   # a dry run has no label values

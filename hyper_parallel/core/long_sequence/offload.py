@@ -8,6 +8,7 @@ backward copies each one back when its node needs it (again without waiting; the
 before the kernel that reads it). Parameters and tensor subclasses (DTensors) stay where they are.
 The cost is the transfer time: host-device bandwidth against the compute that hides it.
 """
+from typing import Any, Iterator
 import contextlib
 
 from hyper_parallel.platform import get_platform
@@ -19,7 +20,7 @@ class OffloadStats:
     """What one ``offload_activations()`` context moved: ``offloaded`` tensors / ``offloaded_bytes``,
     ``kept`` (parameters, subclasses), ``restored`` (copied back in backward so far)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.offloaded = self.offloaded_bytes = self.kept = self.restored = 0
 
     def __repr__(self):
@@ -32,7 +33,7 @@ def _nbytes(tensor):
 
 
 @contextlib.contextmanager
-def offload_activations():
+def offload_activations() -> Iterator[Any]:
     """Inside, activations saved for backward live in host memory; yields an ``OffloadStats``.
     Backward may run inside or after the context (the hooks that restore are kept per tensor)."""
     platform = get_platform()

@@ -1,4 +1,5 @@
 """parallelize_module: apply parallel styles to a module tree."""
+from typing import Any
 import fnmatch
 import warnings
 
@@ -9,7 +10,8 @@ from hyper_parallel.platform import get_platform
 __all__ = ["parallelize_module"]
 
 
-def parallelize_module(module, device_mesh=None, parallelize_plan=None, *, src_data_rank=0):
+def parallelize_module(module: Any, device_mesh: Any = None, parallelize_plan: Any = None, *,
+                       src_data_rank: int = 0) -> Any:
     """Parallelize ``module`` in place over a 1-D tensor-parallel mesh and return it.
 
     ``parallelize_plan`` is a :class:`ParallelStyle` (applied to ``module`` itself) or a dict

@@ -2,6 +2,7 @@
 inputs and outputs, the 1-D mesh check, and the one helper that turns a module's parameters into
 DTensor parameters (``shard_parameters``). ``style.py`` and ``prepare.py`` build the styles on it.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.api import distribute_tensor
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Placement, Replicate
@@ -38,7 +39,7 @@ def _is_tensor(x):
     return get_platform().is_tensor(x)
 
 
-def to_dtensor(x, mesh, input_layout, desired_layout, feature_size=None):
+def to_dtensor(x: Any, mesh: Any, input_layout: Any, desired_layout: Any, feature_size: Any = None) -> Any:
     """``x`` (a local tensor laid out as ``input_layout``, or a DTensor) as a DTensor of
     ``desired_layout`` on ``mesh`` (differentiable).
 
@@ -63,7 +64,8 @@ def to_dtensor(x, mesh, input_layout, desired_layout, feature_size=None):
     return dt
 
 
-def from_dtensor(x, mesh, output_layout, use_local_output, input_layout=None):
+def from_dtensor(x: Any, mesh: Any, output_layout: Any, use_local_output: Any,
+                 input_layout: Any = None) -> Any:
     """Move an output to ``output_layout``; plain tensor outputs are first taken as ``input_layout``
     (the layout the module produced); with ``use_local_output`` return the local shard."""
     if not _is_tensor(x):
@@ -77,7 +79,7 @@ def from_dtensor(x, mesh, output_layout, use_local_output, input_layout=None):
     return x.to_local() if use_local_output else x
 
 
-def check_tp_mesh(device_mesh, who):
+def check_tp_mesh(device_mesh: Any, who: Any) -> None:
     """A ValueError unless ``device_mesh`` is 1-D, pointing at the slice to pass instead."""
     if device_mesh.ndim == 1:
         return
@@ -94,7 +96,7 @@ def _check_mesh(device_mesh, style):
     check_tp_mesh(device_mesh, type(style).__name__)
 
 
-def shard_parameters(module, mesh, placements, src_data_rank):
+def shard_parameters(module: Any, mesh: Any, placements: Any, src_data_rank: Any) -> None:
     """Make ``module``'s own parameters named in ``placements`` (``{name: placement}``) DTensor
     parameters of that placement on ``mesh``; missing names (a Linear without bias) are skipped.
     Feature counts the mesh size does not divide give uneven ``torch.chunk`` shards."""
@@ -108,12 +110,13 @@ def shard_parameters(module, mesh, placements, src_data_rank):
             if tuple(param.placements) == (placement.normalized(param.ndim),) and param.device_mesh == mesh:
                 continue  # already in this layout (the style was applied twice)
             raise ValueError(f"parameter {name!r} of {type(module).__name__} is already a DTensor "
-                             f"({param.placements} on {param.device_mesh}); a module can be parallelized once")
+                             f"({param.placements} on {param.device_mesh}); a module can be parallelized "
+                             "once")
         dt = distribute_tensor(platform.detach(param), mesh, [placement], src_data_rank=src_data_rank)
         platform.set_parameter(module, name, dt.requires_grad_(param.requires_grad))
 
 
-def replicate_parameters(module, mesh, src_data_rank):
+def replicate_parameters(module: Any, mesh: Any, src_data_rank: Any) -> None:
     """Every parameter of ``module`` and its submodules as a ``Replicate()`` DTensor."""
     platform = get_platform()
     for _, sub in platform.named_modules(module):
@@ -126,7 +129,7 @@ class ParallelStyle:
 
     src_data_rank = 0
 
-    def apply(self, module, device_mesh):
+    def apply(self, module: Any, device_mesh: Any) -> Any:
         # a subclass written for PyTorch overrides _apply (its contract); ours override apply
         if type(self)._apply is not ParallelStyle._apply:
             return self._apply(module, device_mesh)
@@ -142,7 +145,7 @@ class ParallelStyle:
         return f"{type(self).__name__}({fields})"
 
 
-def map_outputs(output, fn):
+def map_outputs(output: Any, fn: Any) -> Any:
     if isinstance(output, tuple):
         return tuple(fn(o) for o in output)
     if isinstance(output, list):

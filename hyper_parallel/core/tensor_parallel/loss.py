@@ -1,4 +1,5 @@
 """loss_parallel(): cross-entropy on vocabulary-sharded logits without gathering them."""
+from typing import Iterator
 import contextlib
 
 from hyper_parallel.core.dtensor.ops import loss as _loss_rules
@@ -7,7 +8,7 @@ __all__ = ["loss_parallel"]
 
 
 @contextlib.contextmanager
-def loss_parallel():
+def loss_parallel() -> Iterator[None]:
     """Inside this context, ``F.cross_entropy`` on a DTensor whose class dim is sharded (the
     ``Shard(-1)`` logits of a ColwiseParallel output head with ``use_local_output=False``)
     computes the loss, and in backward its gradient, on the local vocabulary shards: a max, a

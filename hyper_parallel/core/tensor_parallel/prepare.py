@@ -1,5 +1,6 @@
 """PrepareModuleInput / PrepareModuleOutput / PrepareModuleInputOutput: convert a module's inputs
 and outputs between local tensors, layouts and DTensors, without touching its parameters."""
+from typing import Any
 from hyper_parallel.core.tensor_parallel.base import (ParallelStyle, _check_mesh, _is_tensor, _layout_tuple,
                                                       from_dtensor, to_dtensor)
 from hyper_parallel.platform import get_platform
@@ -13,8 +14,9 @@ class PrepareModuleInput(ParallelStyle):
     matching ``desired_input_layouts``; likewise keyword inputs by name. With
     ``use_local_output=True`` the module receives local shards instead of DTensors."""
 
-    def __init__(self, *, input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,
-                 desired_input_kwarg_layouts=None, use_local_output=False):
+    def __init__(self, *, input_layouts: Any = None, desired_input_layouts: Any = None,
+                 input_kwarg_layouts: Any = None, desired_input_kwarg_layouts: Any = None,
+                 use_local_output: bool = False) -> None:
         self.input_layouts = _layout_tuple(input_layouts, "PrepareModuleInput input_layouts")
         self.desired_input_layouts = _layout_tuple(desired_input_layouts,
                                                    "PrepareModuleInput desired_input_layouts")
@@ -40,7 +42,7 @@ class PrepareModuleInput(ParallelStyle):
         dt = to_dtensor(x, mesh, have, want)
         return dt.to_local() if self.use_local_output else dt
 
-    def prepare(self, args, kwargs, mesh):
+    def prepare(self, args: Any, kwargs: Any, mesh: Any) -> Any:
         if self.input_layouts is not None:
             # more inputs than layouts is an error too (as PyTorch): an input without a layout
             # would silently reach a sharded module as a local tensor taken for a replicated one
@@ -58,7 +60,7 @@ class PrepareModuleInput(ParallelStyle):
                     kwargs[name] = self._convert(kwargs[name], mesh, have, want)
         return args, kwargs
 
-    def apply(self, module, device_mesh):
+    def apply(self, module: Any, device_mesh: Any) -> Any:
         _check_mesh(device_mesh, self)
 
         def pre_hook(mod, args, kwargs):
@@ -74,7 +76,8 @@ class PrepareModuleOutput(ParallelStyle):
     redistributed to the matching ``desired_output_layouts``; local shards with
     ``use_local_output=True``."""
 
-    def __init__(self, *, output_layouts, desired_output_layouts, use_local_output=True):
+    def __init__(self, *, output_layouts: Any, desired_output_layouts: Any,
+                 use_local_output: bool = True) -> None:
         self.output_layouts = _layout_tuple(output_layouts, "PrepareModuleOutput output_layouts")
         self.desired_output_layouts = _layout_tuple(desired_output_layouts,
                                                     "PrepareModuleOutput desired_output_layouts")
@@ -85,7 +88,7 @@ class PrepareModuleOutput(ParallelStyle):
                              f"output each")
         self.use_local_output = use_local_output
 
-    def prepare(self, output, mesh):
+    def prepare(self, output: Any, mesh: Any) -> Any:
         single = not isinstance(output, (tuple, list))
         outs = (output,) if single else tuple(output)
         if len(outs) != len(self.output_layouts):
@@ -101,7 +104,7 @@ class PrepareModuleOutput(ParallelStyle):
             return converted[0]
         return type(output)(converted) if isinstance(output, list) else tuple(converted)
 
-    def apply(self, module, device_mesh):
+    def apply(self, module: Any, device_mesh: Any) -> Any:
         _check_mesh(device_mesh, self)
 
         def post_hook(mod, args, output):
@@ -114,9 +117,10 @@ class PrepareModuleOutput(ParallelStyle):
 class PrepareModuleInputOutput(ParallelStyle):
     """``PrepareModuleInput`` and ``PrepareModuleOutput`` on one module."""
 
-    def __init__(self, *, input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,
-                 desired_input_kwarg_layouts=None, use_local_input=False, output_layouts=None,
-                 desired_output_layouts=None, use_local_output=True):
+    def __init__(self, *, input_layouts: Any = None, desired_input_layouts: Any = None,
+                 input_kwarg_layouts: Any = None, desired_input_kwarg_layouts: Any = None,
+                 use_local_input: bool = False, output_layouts: Any = None,
+                 desired_output_layouts: Any = None, use_local_output: bool = True) -> None:
         self.prepare_input = PrepareModuleInput(
             input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
             input_kwarg_layouts=input_kwarg_layouts, desired_input_kwarg_layouts=desired_input_kwarg_layouts,
@@ -125,7 +129,7 @@ class PrepareModuleInputOutput(ParallelStyle):
                                                   desired_output_layouts=desired_output_layouts,
                                                   use_local_output=use_local_output)
 
-    def apply(self, module, device_mesh):
+    def apply(self, module: Any, device_mesh: Any) -> Any:
         self.prepare_input.apply(module, device_mesh)
         self.prepare_output.apply(module, device_mesh)
         return module

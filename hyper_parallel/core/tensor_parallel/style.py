@@ -19,6 +19,7 @@ ranks one larger, trailing ranks possibly empty) and give the single-process res
 The styles mirror PyTorch's ``torch.distributed.tensor.parallel`` styles, so plans port as-is. The
 Prepare* styles live in ``prepare.py`` and are re-exported here.
 """
+from typing import Any
 from hyper_parallel.core.arguments import check_int
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
 from hyper_parallel.core.dtensor.rank_check import describing
@@ -62,12 +63,13 @@ class ColwiseParallel(ParallelStyle):
     the output is ``Shard(-1)`` unless ``output_layouts`` says otherwise. Forward needs no
     communication; backward all-reduces the input gradient."""
 
-    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output=True):
+    def __init__(self, *, input_layouts: Any = None, output_layouts: Any = None,
+                 use_local_output: bool = True) -> None:
         self.input_layouts = _one_layout(input_layouts, Replicate(), "ColwiseParallel input_layouts")
         self.output_layouts = _one_layout(output_layouts, Shard(-1), "ColwiseParallel output_layouts")
         self.use_local_output = use_local_output
 
-    def apply(self, module, device_mesh):
+    def apply(self, module: Any, device_mesh: Any) -> Any:
         _check_mesh(device_mesh, self)
         kind = _module_kind(module)
         if kind is None:
@@ -90,18 +92,21 @@ class RowwiseParallel(ParallelStyle):
     ``input_layouts`` defaults to ``Shard(-1)`` for a Linear (the output of a ColwiseParallel
     layer) and to ``Replicate()`` for an Embedding (token ids are replicated)."""
 
-    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output=True):
+    def __init__(self, *, input_layouts: Any = None, output_layouts: Any = None,
+                 use_local_output: bool = True) -> None:
         self.input_layouts = _one_layout(input_layouts, None, "RowwiseParallel input_layouts")
         self.output_layouts = _one_layout(output_layouts, Replicate(), "RowwiseParallel output_layouts")
         self.use_local_output = use_local_output
 
-    def apply(self, module, device_mesh):
+    def apply(self, module: Any, device_mesh: Any) -> Any:
         _check_mesh(device_mesh, self)
         kind = _module_kind(module)
         if kind is None:
             raise _unsupported(self, module)
+        desired: Any   # Shard or Replicate
         if kind == "linear":
-            shard_parameters(module, device_mesh, {"weight": Shard(1), "bias": Replicate()}, self.src_data_rank)
+            shard_parameters(module, device_mesh, {"weight": Shard(1), "bias": Replicate()},
+                             self.src_data_rank)
             input_layout, desired = self.input_layouts or Shard(-1), Shard(-1)
         else:
             shard_parameters(module, device_mesh, {_embedding_weight(module): Shard(0)}, self.src_data_rank)
@@ -146,12 +151,12 @@ class SequenceParallel(ParallelStyle):
     ``Shard(sequence_dim)``: a DTensor, or its local chunk with ``use_local_output=True``.
     Norm-weight gradients are all-reduced in backward (each rank saw part of the sequence)."""
 
-    def __init__(self, *, sequence_dim=1, use_local_output=False):
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
         self.sequence_dim = check_int("SequenceParallel", "sequence_dim", sequence_dim,
                                       fix="the int sequence dim of the activations (1)")
         self.use_local_output = use_local_output
 
-    def apply(self, module, device_mesh):
+    def apply(self, module: Any, device_mesh: Any) -> Any:
         _check_mesh(device_mesh, self)
         replicate_parameters(module, device_mesh, self.src_data_rank)
         platform = get_platform()
@@ -184,12 +189,13 @@ class NoParallel(ParallelStyle):
     replicated, and its output is moved to ``output_layout`` (default ``Replicate()``), as a local
     tensor with ``use_local_output=True``. Typical use: a small router or gate."""
 
-    def __init__(self, *, input_layout=None, output_layout=None, use_local_output=True):
+    def __init__(self, *, input_layout: Any = None, output_layout: Any = None,
+                 use_local_output: bool = True) -> None:
         self.input_layout = _one_layout(input_layout, Replicate(), "NoParallel input_layout")
         self.output_layout = _one_layout(output_layout, Replicate(), "NoParallel output_layout")
         self.use_local_output = use_local_output
 
-    def apply(self, module, device_mesh):
+    def apply(self, module: Any, device_mesh: Any) -> Any:
         _check_mesh(device_mesh, self)
         replicate_parameters(module, device_mesh, self.src_data_rank)
         platform = get_platform()
@@ -202,7 +208,7 @@ class NoParallel(ParallelStyle):
 
         def post_hook(mod, args, output):
             return map_outputs(output, lambda o: from_dtensor(o, device_mesh, self.output_layout,
-                                                               self.use_local_output))
+                                                              self.use_local_output))
 
         platform.register_forward_pre_hook(module, pre_hook)
         platform.register_forward_hook(module, post_hook)

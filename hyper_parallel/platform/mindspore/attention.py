@@ -11,6 +11,7 @@ Masks follow PyTorch: a boolean ``attn_mask`` is True where attention is allowed
 added to the scores; ``is_causal`` is the top-left aligned lower triangle (query i sees keys
 j <= i).
 """
+from typing import Any
 import math
 
 import mindspore as ms
@@ -19,7 +20,8 @@ from mindspore import mint, ops
 from hyper_parallel.platform.mindspore import meta
 
 
-def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
+         scale: Any = None, enable_gqa: bool = False) -> Any:
     """The math on local (plain) tensors."""
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -59,8 +61,9 @@ class _Sdpa:
 _SDPA = _Sdpa()
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None, enable_gqa=False):
+def scaled_dot_product_attention(query: Any, key: Any, value: Any, attn_mask: Any = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale: Any = None,
+                                 enable_gqa: bool = False) -> Any:
     """PyTorch's ``F.scaled_dot_product_attention`` for MindSpore tensors and DTensors."""
     from hyper_parallel.platform.mindspore.dtensor_base import MindSporeDTensorBase, _replicated
     args = (query, key, value)
@@ -94,7 +97,8 @@ def _scores(q, k, causal, scale, mask=None, softcap=None):
     return s, scale, capped
 
 
-def block_forward(q, k, v, causal=False, scale=None, mask=None, softcap=None):
+def block_forward(q: Any, k: Any, v: Any, causal: bool = False, scale: Any = None, mask: Any = None,
+                  softcap: Any = None) -> Any:
     """(out, float32 log-sum-exp) of attention over one key block (batch, heads, seq, dim)."""
     s, _, _ = _scores(q, k, causal, scale, mask, softcap)
     lse = ops.logsumexp(s, -1)
@@ -102,7 +106,8 @@ def block_forward(q, k, v, causal=False, scale=None, mask=None, softcap=None):
     return out.astype(q.dtype), lse
 
 
-def block_backward(grad_out, q, k, v, out, lse, causal=False, scale=None, mask=None, softcap=None):
+def block_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, causal: bool = False,
+                   scale: Any = None, mask: Any = None, softcap: Any = None) -> Any:
     """(dq, dk, dv) of one key block, given the row's final output and log-sum-exp."""
     s, scale, capped = _scores(q, k, causal, scale, mask, softcap)
     p = ops.exp(s - lse.unsqueeze(-1))

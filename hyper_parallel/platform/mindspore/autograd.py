@@ -33,6 +33,7 @@ except ImportError as exc:  # pragma: no cover - older MindSpore
                       "Function (mindspore.common._grad_function; tested with MindSpore 2.10.0)"
                       ) from exc
 
+from typing import Any
 from hyper_parallel.platform.mindspore.dtensor_base import MindSporeDTensorBase
 
 
@@ -100,7 +101,7 @@ def _is_plain_tensor(x):
     return isinstance(x, ms.Tensor) and not _is_dtensor(x)
 
 
-def make_autograd_function(name, forward, backward):
+def make_autograd_function(name: str, forward: Any, backward: Any) -> Any:
     def fn_forward(ctx, call, *tensors):
         ctx._hp_call = call
         out = forward(ctx, *call.args)

@@ -12,6 +12,7 @@ On Ascend/GPU the native all_to_all_single, reduce_scatter_tensor and batch_isen
 (``HP_MS_EMULATE_COLLECTIVES=1`` forces the emulations everywhere). Those native branches follow
 MindSpore's documented API but have not been run by this project's CI (CPU only).
 """
+from typing import Any
 import mindspore as ms
 from mindspore import mint, ops
 from mindspore.communication import GlobalComm, create_group, get_group_size, get_rank
@@ -34,28 +35,28 @@ emulations.register("all_gather", "native (mint.distributed; bool/bfloat16 cast,
 class Collectives:
     """Collectives bound to one platform (for accounting and the backend's capabilities)."""
 
-    def __init__(self, platform):
+    def __init__(self, platform: Any) -> None:
         self._platform = platform
-        self._groups = {}
-        self._world = None
+        self._groups: dict[Any, Any] = {}
+        self._world: Any = None
 
     # =========================================================================== groups
     @property
-    def native_all(self):
+    def native_all(self) -> bool:
         """True where MindSpore has every collective natively (not CPU), unless forced off."""
         return self._platform.device_type != "cpu" and not force_emulation()
 
-    def capabilities(self):
+    def capabilities(self) -> Any:
         return emulations.capability_table(NATIVE, emulating=not self.native_all)
 
-    def world(self):
+    def world(self) -> Any:
         if self._world is None:
             ranks = tuple(range(get_group_size()))
             self._world = MsGroup(GlobalComm.WORLD_COMM_GROUP, ranks)
             self._groups[ranks] = self._world
         return self._world
 
-    def new_group(self, ranks):
+    def new_group(self, ranks: Any) -> Any:
         ranks = tuple(int(r) for r in ranks)
         group = self._groups.get(ranks)
         if group is not None:
@@ -76,7 +77,7 @@ class Collectives:
         self._groups[ranks] = group
         return group
 
-    def resolve(self, group):
+    def resolve(self, group: Any) -> Any:
         if group is None:
             return self.world()
         if isinstance(group, MsGroup):
@@ -91,19 +92,19 @@ class Collectives:
             return self.new_group(group)
         raise KeyError(f"unknown process group {group!r}")
 
-    def me(self, group):
+    def me(self, group: Any) -> Any:
         return group.ranks.index(get_rank())
 
-    def clear(self):
+    def clear(self) -> None:
         self._groups.clear()
         self._world = None
 
-    def record(self, op, nbytes_, group):
+    def record(self, op: Any, nbytes_: Any, group: Any) -> None:
         if nbytes_:
             self._platform.record_comm(op, int(nbytes_), group.ranks)
 
     # =========================================================================== native layer
-    def gather_pieces(self, tensor, group, async_op=False):
+    def gather_pieces(self, tensor: Any, group: Any, async_op: bool = False) -> Any:
         """(works, finish) where finish() returns every group rank's ``tensor`` (creation order).
 
         Handles what the CPU kernels refuse: 0-dim (reshaped), empty (nothing to send: every
@@ -128,7 +129,7 @@ class Collectives:
             return group.to_creation_order(pieces)
         return [work] if async_op else [], finish
 
-    def all_gather(self, tensor, group, dim=0, async_op=False):
+    def all_gather(self, tensor: Any, group: Any, dim: int = 0, async_op: bool = False) -> Any:
         group = self.resolve(group)
         dim = dim % max(tensor.ndim, 1)
         self.record("all_gather", (len(group) - 1) * nbytes(tensor), group)
@@ -137,7 +138,8 @@ class Collectives:
             return handle(works, lambda: ops.stack(pieces()), async_op)
         return handle(works, lambda: mint.cat(pieces(), dim).contiguous(), async_op)
 
-    def all_reduce(self, tensor, group, op="sum", async_op=False, tag=None):
+    def all_reduce(self, tensor: Any, group: Any, op: str = "sum", async_op: bool = False,
+                   tag: Any = None) -> Any:
         check_reduce_op(op)
         group = self.resolve(group)
         n = len(group)
@@ -159,7 +161,7 @@ class Collectives:
             return result.astype(dtype) if dtype == ms.bfloat16 else result
         return handle([work] if async_op else [], finish, async_op)
 
-    def broadcast(self, tensor, src, group, async_op=False):
+    def broadcast(self, tensor: Any, src: Any, group: Any, async_op: bool = False) -> Any:
         group = self.resolve(group)
         if src not in group.ranks:
             raise ValueError(f"broadcast: source rank {src} is not in the group {group.ranks}")
@@ -177,7 +179,8 @@ class Collectives:
         return handle([work] if async_op else [], finish, async_op)
 
     # =========================================================================== all-to-all
-    def all_to_all_single(self, tensor, group, split_dim=0, concat_dim=0, async_op=False):
+    def all_to_all_single(self, tensor: Any, group: Any, split_dim: int = 0, concat_dim: int = 0,
+                          async_op: bool = False) -> Any:
         group = self.resolve(group)
         n = len(group)
         split_dim, concat_dim = split_dim % tensor.ndim, concat_dim % tensor.ndim
@@ -202,7 +205,7 @@ class Collectives:
             return mint.cat(pieces, concat_dim).contiguous()
         return handle([work] if async_op else [], finish, async_op)
 
-    def all_to_all(self, tensors, group, out_shapes=None, async_op=False):
+    def all_to_all(self, tensors: Any, group: Any, out_shapes: Any = None, async_op: bool = False) -> Any:
         """List form: ``tensors[i]`` goes to group rank i; the piece from group rank j comes back
         shaped ``out_shapes[j]`` (default ``tensors[j].shape``). Emulated on every backend."""
         group = self.resolve(group)
@@ -212,7 +215,8 @@ class Collectives:
         return emulations.all_to_all_list(self, tensors, group, out_shapes, async_op)
 
     # =========================================================================== reduce-scatter
-    def reduce_scatter(self, tensor, group, dim=0, op="sum", async_op=False):
+    def reduce_scatter(self, tensor: Any, group: Any, dim: int = 0, op: str = "sum",
+                       async_op: bool = False) -> Any:
         check_reduce_op(op)
         group = self.resolve(group)
         n = len(group)
@@ -235,7 +239,7 @@ class Collectives:
         return handle([work] if async_op else [], lambda: out.reshape(block_shape), async_op)
 
     # =========================================================================== point-to-point
-    def p2p_exchange(self, sends, recvs, group=None, async_op=False):
+    def p2p_exchange(self, sends: Any, recvs: Any, group: Any = None, async_op: bool = False) -> Any:
         """``sends`` = [(tensor, global_dst)], ``recvs`` = [(template, global_src)]: returns the
         received tensors (shaped and typed like their templates), in ``recvs`` order. Emulated on
         CPU, where every rank of ``group`` (default: the world) must call it at the same point."""

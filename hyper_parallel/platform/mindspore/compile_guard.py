@@ -26,6 +26,7 @@ parallelized Cell in a plain list attribute) is turned into the same error by ``
 output's shape, and a non-scalar DTensor output's placeholder is empty, so MindSpore failed deep
 inside with "The shape should be {0}, but got {4, 6}".
 """
+from typing import Any
 import functools
 import os
 import sys
@@ -43,13 +44,13 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_
 MARK = "_hp_parallelized"
 
 
-def check_pynative(who):
+def check_pynative(who: Any) -> None:
     """Raise the hyper_parallel error naming GRAPH_MODE and the fix when not in PyNative mode."""
     if ms.get_context("mode") != ms.PYNATIVE_MODE:
         raise RuntimeError(f"{who}: MindSpore is in GRAPH_MODE. {GRAPH_MODE_MESSAGE}")
 
 
-def mark(cell):
+def mark(cell: Any) -> None:
     """Remember that ``cell``'s calls go through hyper_parallel (the compile checks look for it)."""
     object.__setattr__(cell, MARK, True)
 
@@ -98,7 +99,7 @@ def _filled(cell):
     return True
 
 
-def refuse(who, *values, fn=None):
+def refuse(who: Any, *values: Any, fn: Any = None) -> None:
     """Raise the documented RuntimeError when a compiler is about to see hyper_parallel objects."""
     why = _reason(values) or (_function_reason(fn) if fn is not None else None)
     if why:
@@ -149,7 +150,7 @@ def _parsing_ours(exc):
 
 # graphs (MindSpore's cache keys) compiled with a DTensor's placeholder in them: refused on every call,
 # also when MindSpore reuses the cached graph without converting anything again
-_REFUSED = {}
+_REFUSED: dict[Any, Any] = {}
 
 
 def _sighted(who, seen):
@@ -279,7 +280,7 @@ def _checked_vjp_forward(forward):
     return run
 
 
-def install():
+def install() -> None:
     """Once per process: every compile entry point refuses hyper_parallel objects (module docstring)."""
     from mindspore.graph import api, jit_trace
     from mindspore.graph._utils import pijit_context

@@ -25,6 +25,7 @@ gradient's placements travel with it). Parameters: :func:`set_dtensor_parameter`
 shard as the Cell's ``mindspore.Parameter`` (what optimizers and ``value_and_grad`` see) and gives
 the Cell's code a DTensor view of it.
 """
+from typing import Any
 import math
 
 import numpy as np
@@ -39,7 +40,7 @@ from hyper_parallel.platform.mindspore import op_names_models  # noqa: F401
 
 _LIKE = {"ZerosLike", "OnesLike", "ZerosLikeExt", "OnesLikeExt", "EmptyLike", "FullLike", "RandLikeExt",
          "RandnLikeExt"}
-_OPS = {}
+_OPS: dict[Any, Any] = {}
 
 
 def _is_inplace(name):
@@ -67,28 +68,28 @@ class MindSporeDTensorBase(ms.Tensor):
         obj._hp_requires_grad = bool(requires_grad)
         return obj
 
-    def __init__(self, *args, **kwargs):  # noqa: D401  (initialised in __new__)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: D401  (initialised in __new__)
         pass
 
     # ------------------------------------------------------------------ global metadata
     @property
-    def shape(self):
+    def shape(self) -> Any:
         return self._hp_shape
 
     @property
-    def ndim(self):
+    def ndim(self) -> int:
         return len(self._hp_shape)
 
     @property
-    def size(self):
+    def size(self) -> Any:
         return math.prod(self._hp_shape)
 
-    def numel(self):
+    def numel(self) -> Any:
         return math.prod(self._hp_shape)
 
     nelement = numel
 
-    def dim(self):
+    def dim(self) -> int:
         return len(self._hp_shape)
 
     ndimension = dim
@@ -99,20 +100,20 @@ class MindSporeDTensorBase(ms.Tensor):
         return self._hp_shape[0]
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> Any:
         return self.numel() * self.itemsize
 
     # ------------------------------------------------------------------ autograd metadata (core)
     @property
-    def requires_grad(self):
+    def requires_grad(self) -> bool:
         return True   # MindSpore decides what is differentiated when ms.grad runs
 
-    def requires_grad_(self, requires_grad=True):
+    def requires_grad_(self, requires_grad: bool = True) -> Any:
         self._hp_requires_grad = bool(requires_grad)
         return self
 
     @property
-    def grad_fn(self):
+    def grad_fn(self) -> Any:
         return None
 
     # ------------------------------------------------------------------ operators
@@ -173,7 +174,7 @@ class MindSporeDTensorBase(ms.Tensor):
                             f"dt.to_local() first")
         return self.full_tensor()
 
-    def item(self):
+    def item(self) -> Any:
         return self._single_value("item()").item()
 
     def __float__(self):
@@ -185,11 +186,11 @@ class MindSporeDTensorBase(ms.Tensor):
     def __bool__(self):
         return bool(self._single_value("bool()").item())
 
-    def asnumpy(self):
+    def asnumpy(self) -> Any:
         raise TypeError("a DTensor has no single array: use dt.full_tensor().asnumpy() (the global "
                         "value) or dt.to_local().asnumpy() (this rank's shard)")
 
-    def tolist(self):
+    def tolist(self) -> Any:
         raise TypeError("use dt.full_tensor().tolist() or dt.to_local().tolist()")
 
     def __array__(self, dtype=None):
@@ -205,7 +206,7 @@ class MindSporeDTensorBase(ms.Tensor):
 
 
 # ============================================================================== helpers
-_PLACEHOLDERS = {}
+_PLACEHOLDERS: dict[Any, Any] = {}
 
 
 def _placeholder(dtype):
@@ -313,7 +314,7 @@ def _replicated(cls, name, op, args, kwargs):
 
 
 # ============================================================================== parameters
-def set_dtensor_parameter(module, name, value):
+def set_dtensor_parameter(module: Any, name: str, value: Any) -> None:
     """Make ``module.<name>`` the DTensor ``value`` for the Cell's code, while the Cell's parameter
     of that name (what optimizers, ``trainable_params()`` and ``value_and_grad`` see) becomes the
     local shard: a ``mindspore.Parameter`` that is the DTensor's local tensor, so gradients reach it

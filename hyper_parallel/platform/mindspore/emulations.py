@@ -9,6 +9,7 @@ Each emulation registers how it works under the collective's name in ``capabilit
 ``HP_MS_EMULATE_COLLECTIVES=1``), ``scope="always"`` ones on every backend. The platform's
 ``capabilities()`` reads :func:`capability_table`, so the descriptions live only here.
 """
+from typing import Any
 import numpy as np
 
 import mindspore as ms
@@ -18,15 +19,15 @@ import mindspore.mint.distributed as msdist
 from hyper_parallel.platform.handles import CompletedHandle
 from hyper_parallel.platform.mindspore.groups import handle, nbytes, numel, then
 
-_REGISTRY = {}   # collective -> (description, scope)
+_REGISTRY: dict[Any, Any] = {}   # collective -> (description, scope)
 
 
-def register(collective, description, scope="cpu"):
+def register(collective: Any, description: Any, scope: str = "cpu") -> None:
     """Describe how ``collective`` is provided where it is not plain native."""
     _REGISTRY[collective] = (description, scope)
 
 
-def emulation(collective, description, scope="cpu"):
+def emulation(collective: Any, description: Any, scope: str = "cpu") -> Any:
     """Decorator: register the decorated function as the emulation of ``collective``."""
     def decorate(fn):
         register(collective, description, scope)
@@ -34,7 +35,7 @@ def emulation(collective, description, scope="cpu"):
     return decorate
 
 
-def capability_table(native, emulating):
+def capability_table(native: Any, emulating: Any) -> Any:
     """``native`` (collective -> description) overridden by the registered emulations that apply
     (all of them when ``emulating``, else only the ``scope="always"`` ones)."""
     table = dict(native)
@@ -46,7 +47,8 @@ def capability_table(native, emulating):
 
 @emulation("all_to_all_single", "emulated: all_gather of the whole tensor, keep own block "
                                 "((n-1)*N bytes, n x a native all-to-all)")
-def all_to_all_single(comm, tensor, group, split_dim, concat_dim, async_op):
+def all_to_all_single(comm: Any, tensor: Any, group: Any, split_dim: Any, concat_dim: Any,
+                      async_op: Any) -> Any:
     """Everyone gathers every rank's whole tensor and keeps its own block of each."""
     n, me = len(group), comm.me(group)
     comm.record("all_to_all", (n - 1) * nbytes(tensor), group)
@@ -58,7 +60,7 @@ def all_to_all_single(comm, tensor, group, split_dim, concat_dim, async_op):
 
 
 @emulation("reduce_scatter", "emulated: all_reduce, keep own block (2x a ring reduce-scatter)")
-def reduce_scatter(comm, tensor, group, dim, op, async_op):
+def reduce_scatter(comm: Any, tensor: Any, group: Any, dim: Any, op: Any, async_op: Any) -> Any:
     """A full all-reduce, then keep this rank's block (twice the bytes of a ring reduce-scatter,
     and exact for every op)."""
     n, me = len(group), comm.me(group)
@@ -68,7 +70,7 @@ def reduce_scatter(comm, tensor, group, dim, op, async_op):
 
 @emulation("all_reduce", "native for sum/avg/max/min on f16/f32/int8/int32/int64; other dtypes "
                          "emulated: all_gather + local reduction in rank order")
-def all_reduce_by_gather(comm, tensor, group, op, async_op, tag):
+def all_reduce_by_gather(comm: Any, tensor: Any, group: Any, op: Any, async_op: Any, tag: Any) -> Any:
     """Dtypes the kernel refuses (e.g. float64's sum): gather, then reduce in rank order."""
     comm.record(tag or "all_reduce", (len(group) - 1) * nbytes(tensor), group)
     works, pieces = comm.gather_pieces(tensor, group, async_op)
@@ -95,7 +97,7 @@ def _reduce_list(pieces, op):
 
 
 @emulation("all_to_all (list)", "emulated: size-table all_gather + one padded all_gather", scope="always")
-def all_to_all_list(comm, tensors, group, out_shapes, async_op):
+def all_to_all_list(comm: Any, tensors: Any, group: Any, out_shapes: Any, async_op: Any) -> Any:
     """``tensors[i]`` to group rank i through the size-table exchange."""
     n = len(group)
     received = exchange(comm, [[t] for t in tensors], group, "all_to_all", async_op, recv_counts=[1] * n)
@@ -104,10 +106,10 @@ def all_to_all_list(comm, tensors, group, out_shapes, async_op):
 
 @emulation("p2p (batch_isend_irecv)", "emulated: size-table all_gather + one padded all_gather "
                                       "over the group (every group rank must call it)")
-def p2p_exchange(comm, sends, recvs, group, async_op):
+def p2p_exchange(comm: Any, sends: Any, recvs: Any, group: Any, async_op: Any) -> Any:
     """Point-to-point as a group collective: every rank of ``group`` calls it at the same point."""
     n = len(group)
-    per_dst = [[] for _ in range(n)]
+    per_dst: Any = [[] for _ in range(n)]
     for tensor, dst in sends:
         per_dst[group.ranks.index(dst)].append(tensor)
     counts = [0] * n
@@ -127,7 +129,8 @@ def p2p_exchange(comm, sends, recvs, group, async_op):
 
 
 # =============================================================================== the exchange
-def exchange(comm, per_dst, group, tag, async_op=False, recv_counts=None):
+def exchange(comm: Any, per_dst: Any, group: Any, tag: Any, async_op: bool = False,
+             recv_counts: Any = None) -> Any:
     """Send ``per_dst[j]`` (a list of tensors, one dtype in all) to group rank j; return, per
     source group rank, the list of flat tensors it sent here (in its send order).
 

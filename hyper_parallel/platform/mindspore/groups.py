@@ -4,6 +4,7 @@ A "group" here is a :class:`MsGroup`: the MindSpore group name plus the ranks in
 group was created with. "Group rank i" is always the i-th rank of that order (a mesh coordinate),
 whatever order MindSpore numbers the group in.
 """
+from typing import Any
 import os
 
 import numpy as np
@@ -12,38 +13,38 @@ from hyper_parallel.platform.base import REDUCE_OPS
 from hyper_parallel.platform.handles import AsyncHandle, CompletedHandle
 
 
-def check_reduce_op(op):
+def check_reduce_op(op: Any) -> None:
     if op not in REDUCE_OPS:
         raise ValueError(f"reduce op {op!r} is not supported; use one of {list(REDUCE_OPS)}")
 
 
-def nbytes(tensor):
+def nbytes(tensor: Any) -> Any:
     return int(np.prod(tensor.shape, dtype=np.int64)) * tensor.itemsize
 
 
-def numel(tensor):
+def numel(tensor: Any) -> int:
     return int(np.prod(tensor.shape, dtype=np.int64))
 
 
-def force_emulation():
+def force_emulation() -> bool:
     """``HP_MS_EMULATE_COLLECTIVES=1``: the emulations even where native collectives exist."""
     return os.environ.get("HP_MS_EMULATE_COLLECTIVES", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def handle(works, finish, async_op):
+def handle(works: Any, finish: Any, async_op: Any) -> Any:
     """Either the finished result, or an AsyncHandle whose wait() waits for ``works``."""
     result = AsyncHandle([w for w in works if w is not None], finish)
     return result if async_op else result.wait()
 
 
-def then(result, finish, async_op):
+def then(result: Any, finish: Any, async_op: Any) -> Any:
     """``finish`` applied to a collective's result (or, async, to what its handle returns)."""
     if async_op:
         return AsyncHandle([result], lambda: finish(result.wait()))
     return finish(result)
 
 
-def done(result, async_op):
+def done(result: Any, async_op: Any) -> Any:
     return CompletedHandle(result) if async_op else result
 
 
@@ -52,7 +53,7 @@ class MsGroup:
 
     __slots__ = ("name", "ranks", "_native_order")
 
-    def __init__(self, name, ranks):
+    def __init__(self, name: str, ranks: Any) -> None:
         self.name = name
         self.ranks = tuple(ranks)
         ascending = sorted(self.ranks)
@@ -66,10 +67,10 @@ class MsGroup:
     def __repr__(self):
         return f"MsGroup({self.name!r}, ranks={self.ranks})"
 
-    def to_creation_order(self, pieces):
+    def to_creation_order(self, pieces: Any) -> Any:
         return pieces if self._native_order is None else [pieces[i] for i in self._native_order]
 
-    def to_native_order(self, pieces):
+    def to_native_order(self, pieces: Any) -> Any:
         if self._native_order is None:
             return pieces
         out = [None] * len(pieces)

@@ -7,6 +7,7 @@ torch-style arguments that table hands to core. Basic indexing is evaluated on a
 view (no memory); an op without a shape function raises, and the dispatcher then takes the
 replicated fallback.
 """
+from typing import Any
 import math
 
 import numpy as np
@@ -17,29 +18,29 @@ class MetaTensor:
 
     __slots__ = ("shape", "dtype")
 
-    def __init__(self, shape, dtype):
+    def __init__(self, shape: Any, dtype: Any) -> None:
         self.shape = tuple(int(s) for s in shape)
         self.dtype = dtype
 
     @property
-    def ndim(self):
+    def ndim(self) -> int:
         return len(self.shape)
 
-    def dim(self):
+    def dim(self) -> int:
         return len(self.shape)
 
-    def numel(self):
+    def numel(self) -> Any:
         return math.prod(self.shape)
 
     def __repr__(self):
         return f"MetaTensor({self.shape}, {self.dtype})"
 
 
-def is_meta(x):
+def is_meta(x: Any) -> bool:
     return isinstance(x, MetaTensor)
 
 
-def any_meta(args, kwargs):
+def any_meta(args: Any, kwargs: Any) -> bool:
     for a in list(args) + list(kwargs.values()):
         if isinstance(a, MetaTensor):
             return True
@@ -82,18 +83,18 @@ def _meta(shape, like):
 
 
 # =============================================================================== shape functions
-def same(x, *args, **kwargs):
+def same(x: Any, *args: Any, **kwargs: Any) -> Any:
     x = _first((x,) + args)
     return _meta(x.shape, x)
 
 
-def elementwise(*args, **kwargs):
+def elementwise(*args: Any, **kwargs: Any) -> Any:
     tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, MetaTensor)]
     shape = np.broadcast_shapes(*[t.shape for t in tensors]) if tensors else ()
     return _meta(shape, tensors[0])
 
 
-def matmul(a, b, *args, **kwargs):
+def matmul(a: Any, b: Any, *args: Any, **kwargs: Any) -> Any:
     sa, sb = a.shape, b.shape
     if len(sa) == 1 and len(sb) == 1:
         return _meta((), a)
@@ -105,58 +106,58 @@ def matmul(a, b, *args, **kwargs):
     return _meta(tuple(batch) + (sa[-2], sb[-1]), a)
 
 
-def linear(x, w, *args, **kwargs):
+def linear(x: Any, w: Any, *args: Any, **kwargs: Any) -> Any:
     return _meta(x.shape[:-1] + (w.shape[0],), x)
 
 
-def reshape(x, *shape, **kwargs):
-    shape = _shape_arg(shape) if shape else tuple(kwargs.get("shape"))
+def reshape(x: Any, *shape: Any, **kwargs: Any) -> Any:
+    shape = _shape_arg(shape) if shape else tuple(kwargs["shape"])
     return _meta(_resolve(shape, x.numel()), x)
 
 
-def flatten(x, start_dim=0, end_dim=-1, *args, **kwargs):
+def flatten(x: Any, start_dim: int = 0, end_dim: Any = -1, *args: Any, **kwargs: Any) -> Any:
     if x.ndim == 0:
         return _meta((1,), x)
     s, e = _norm(start_dim, x.ndim), _norm(end_dim, x.ndim)
     return _meta(x.shape[:s] + (math.prod(x.shape[s:e + 1]),) + x.shape[e + 1:], x)
 
 
-def unsqueeze(x, dim, *args, **kwargs):
+def unsqueeze(x: Any, dim: Any, *args: Any, **kwargs: Any) -> Any:
     d = dim % (x.ndim + 1)
     return _meta(x.shape[:d] + (1,) + x.shape[d:], x)
 
 
-def squeeze(x, dim=None, *args, **kwargs):
+def squeeze(x: Any, dim: Any = None, *args: Any, **kwargs: Any) -> Any:
     if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
         return _meta(tuple(s for s in x.shape if s != 1), x)
     dims = {d % x.ndim for d in (dim if isinstance(dim, (tuple, list)) else (dim,))}
     return _meta(tuple(s for i, s in enumerate(x.shape) if not (i in dims and s == 1)), x)
 
 
-def transpose(x, dim0, dim1, *args, **kwargs):
+def transpose(x: Any, dim0: Any, dim1: Any, *args: Any, **kwargs: Any) -> Any:
     shape = list(x.shape)
     a, b = _norm(dim0, x.ndim), _norm(dim1, x.ndim)
     shape[a], shape[b] = shape[b], shape[a]
     return _meta(tuple(shape), x)
 
 
-def permute(x, *dims, **kwargs):
+def permute(x: Any, *dims: Any, **kwargs: Any) -> Any:
     dims = _shape_arg(dims) if dims else tuple(kwargs["dims"])
     return _meta(tuple(x.shape[_norm(d, x.ndim)] for d in dims), x)
 
 
-def t(x, *args, **kwargs):
+def t(x: Any, *args: Any, **kwargs: Any) -> Any:
     return _meta(x.shape[::-1] if x.ndim == 2 else x.shape, x)
 
 
-def expand(x, *shape, **kwargs):
+def expand(x: Any, *shape: Any, **kwargs: Any) -> Any:
     shape = _shape_arg(shape) if shape else tuple(kwargs["size"])
     lead = len(shape) - x.ndim
     out = [s if s != -1 else x.shape[i - lead] for i, s in enumerate(shape)]
     return _meta(tuple(out), x)
 
 
-def reduction(x, dim=None, keepdim=False, *args, **kwargs):
+def reduction(x: Any, dim: Any = None, keepdim: bool = False, *args: Any, **kwargs: Any) -> Any:
     dim = kwargs.get("dim", kwargs.get("axis", dim))
     keepdim = bool(kwargs.get("keepdim", kwargs.get("keep_dims", keepdim)))
     if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
@@ -167,7 +168,7 @@ def reduction(x, dim=None, keepdim=False, *args, **kwargs):
     return _meta(shape, x)
 
 
-def max_with_dim(x, dim=None, keepdim=False, *args, **kwargs):
+def max_with_dim(x: Any, dim: Any = None, keepdim: bool = False, *args: Any, **kwargs: Any) -> Any:
     """max(x) -> one value; max(x, dim, keepdim) -> (values, indices)."""
     dim = kwargs.get("dim", dim)
     if dim is None:
@@ -176,7 +177,7 @@ def max_with_dim(x, dim=None, keepdim=False, *args, **kwargs):
     return values, MetaTensor(values.shape, None)
 
 
-def cat(tensors, dim=0, *args, **kwargs):
+def cat(tensors: Any, dim: int = 0, *args: Any, **kwargs: Any) -> Any:
     tensors = [x for x in tensors if isinstance(x, MetaTensor)]
     nonempty = [x for x in tensors if not (x.ndim == 1 and x.shape[0] == 0)] or tensors
     ref = nonempty[0]
@@ -186,7 +187,7 @@ def cat(tensors, dim=0, *args, **kwargs):
     return _meta(tuple(shape), ref)
 
 
-def stack(tensors, dim=0, *args, **kwargs):
+def stack(tensors: Any, dim: int = 0, *args: Any, **kwargs: Any) -> Any:
     ref = tensors[0]
     d = kwargs.get("dim", kwargs.get("axis", dim)) % (ref.ndim + 1)
     return _meta(ref.shape[:d] + (len(tensors),) + ref.shape[d:], ref)
@@ -201,7 +202,7 @@ def _pieces(x, dim, sizes):
     return tuple(out)
 
 
-def split(x, split_size_or_sections, dim=0, *args, **kwargs):
+def split(x: Any, split_size_or_sections: Any, dim: int = 0, *args: Any, **kwargs: Any) -> Any:
     d = _norm(kwargs.get("dim", kwargs.get("axis", dim)), x.ndim)
     length = x.shape[d]
     if isinstance(split_size_or_sections, int):
@@ -212,7 +213,7 @@ def split(x, split_size_or_sections, dim=0, *args, **kwargs):
     return _pieces(x, d, sizes)
 
 
-def chunk(x, chunks, dim=0, *args, **kwargs):
+def chunk(x: Any, chunks: Any, dim: int = 0, *args: Any, **kwargs: Any) -> Any:
     d = _norm(kwargs.get("dim", dim), x.ndim)
     length = x.shape[d]
     step = -(-length // chunks) if length else 0
@@ -220,18 +221,18 @@ def chunk(x, chunks, dim=0, *args, **kwargs):
     return _pieces(x, d, sizes)
 
 
-def unbind(x, dim=0, *args, **kwargs):
+def unbind(x: Any, dim: int = 0, *args: Any, **kwargs: Any) -> Any:
     d = _norm(dim, x.ndim)
     return tuple(_meta(x.shape[:d] + x.shape[d + 1:], x) for _ in range(x.shape[d]))
 
 
-def narrow(x, dim, start, length, *args, **kwargs):
+def narrow(x: Any, dim: Any, start: Any, length: Any, *args: Any, **kwargs: Any) -> Any:
     shape = list(x.shape)
     shape[_norm(dim, x.ndim)] = int(length)
     return _meta(tuple(shape), x)
 
 
-def getitem(x, index, *args, **kwargs):
+def getitem(x: Any, index: Any, *args: Any, **kwargs: Any) -> Any:
     zero = np.broadcast_to(np.zeros((), np.float32), x.shape)
     index = tuple(_np_index(i) for i in index) if isinstance(index, tuple) else _np_index(index)
     return _meta(zero[index].shape, x)
@@ -243,15 +244,15 @@ def _np_index(i):
     return i
 
 
-def sdpa(q, k, v, *args, **kwargs):
+def sdpa(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
     return _meta(q.shape[:-1] + v.shape[-1:], q)
 
 
-def embedding(ids, weight, *args, **kwargs):
+def embedding(ids: Any, weight: Any, *args: Any, **kwargs: Any) -> Any:
     return _meta(ids.shape + weight.shape[-1:], weight)
 
 
-def cross_entropy(x, target, *args, **kwargs):
+def cross_entropy(x: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
     reduction_ = kwargs.get("reduction", args[3] if len(args) > 3 else "mean")
     if reduction_ == "none":
         return _meta(target.shape if target.ndim < x.ndim else x.shape[:1] + x.shape[2:], x)

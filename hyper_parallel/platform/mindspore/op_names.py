@@ -15,6 +15,7 @@ reads to decide whether a Partial input may stay Partial.
 Primitives not listed run through the replicated fallback (a warning names them; with
 ``HP_STRICT_DISPATCH=1`` they raise).
 """
+from typing import Any
 from hyper_parallel.platform.mindspore import meta
 
 
@@ -28,11 +29,12 @@ class MsOp:
 
     __slots__ = ("op", "__name__", "shape_fn", "ms_name", "legacy", "runner", "key")
 
-    def __init__(self, op, display, shape_fn, ms_name, legacy=None, runner=None, key=None):
+    def __init__(self, op: Any, display: Any, shape_fn: Any, ms_name: str, legacy: Any = None,
+                 runner: Any = None, key: Any = None) -> None:
         self.op, self.__name__, self.shape_fn, self.ms_name = op, display, shape_fn, ms_name
         self.legacy, self.runner, self.key = legacy, runner, key
 
-    def invoke(self, *args, **kwargs):
+    def invoke(self, *args: Any, **kwargs: Any) -> Any:
         if self.legacy is not None:
             return self.op(self.legacy, self.ms_name, tuple(args))
         return self.op(*args, **kwargs)
@@ -44,7 +46,7 @@ class MsOp:
             return _empty_safe(self, args, kwargs)
         return self.run(*args, **kwargs)
 
-    def run(self, *args, **kwargs):
+    def run(self, *args: Any, **kwargs: Any) -> Any:
         if self.runner is not None:
             return self.runner(self.invoke, *args, **kwargs)
         return self.invoke(*args, **kwargs)
@@ -99,10 +101,11 @@ def _empty_safe(op, args, kwargs):
     contraction = op.ms_name in _MATMULS and first is not None and first.shape and first.shape[-1] == 0
     if not all_empty and first is not None and 0 in tuple(first.shape):
         if op.ms_name in _EMPTY_REDUCTION_ERRORS:
-            raise IndexError(f"{op.ms_name}: reduction of an empty tensor (shape {tuple(first.shape)}) has no "
-                             f"identity (torch raises too)")
+            raise IndexError(f"{op.ms_name}: reduction of an empty tensor (shape {tuple(first.shape)}) "
+                             f"has no identity (torch raises too)")
         if op.ms_name in _EMPTY_REDUCTION_FILL:
-            return _ZeroGrad.apply(_Filled(op, _EMPTY_REDUCTION_FILL[op.ms_name]), args, kwargs, *_tensors(args))
+            filled = _Filled(op, _EMPTY_REDUCTION_FILL[op.ms_name])
+            return _ZeroGrad.apply(filled, args, kwargs, *_tensors(args))
     if not (all_empty or contraction):
         return op.run(*args, **kwargs)
     return _ZeroGrad.apply(op, args, kwargs, *_tensors(args))
@@ -183,7 +186,7 @@ class _TensorSum:
         return tensor.sum(dim=dim, keepdim=keepdim)
 
 
-def local_sum(tensor, dim=None, keepdim=False):
+def local_sum(tensor: Any, dim: Any = None, keepdim: bool = False) -> Any:
     """``tensor.sum(dim=dim, keepdim=keepdim)``, safe on an empty tensor: the kernel's output
     (right shape and dtype, uninitialised values) is filled with 0 inside the zero-gradient
     Function, as ``_empty_safe`` does for the SumExt / ReduceSum of the op table. Core's rules
@@ -241,6 +244,7 @@ def _bias_add(args, kwargs):
 
 _add("BiasAdd", "elementwise", meta.elementwise, "add", _bias_add)
 
+
 # ------------------------------------------------------------------------------ matmul / linear
 def _empty_contraction(shape_fn, *args):
     """MindSpore's CPU matmul kernels may return uninitialised memory (not zeros) when the
@@ -285,6 +289,7 @@ def _legacy_matmul(args, kwargs):
     tb = bool(args[3]) if len(args) > 3 else bool(kwargs.get("transpose_b", False))
     if ta or (tb and getattr(b, "ndim", 0) != 2):
         return None
+
     def runner(invoke, x, y):
         if x.shape and x.shape[-1] == 0:
             return _empty_contraction(meta.linear if tb else meta.matmul, x, y)
@@ -346,6 +351,7 @@ def _legacy_dropout(args, kwargs):
     """ops.dropout's primitive: Dropout(x, keep_prob, seed0, seed1) -> (out, mask)."""
     x, keep = args[0], float(args[1]) if len(args) > 1 else 0.5
     seeds = tuple(args[2:])
+
     def runner(invoke, x, p, training):
         return invoke(x, keep, *seeds)
     return (x, 1.0 - keep, True), {}, None, runner, (keep,) + seeds
@@ -380,7 +386,7 @@ def _gather_as_embedding(args, kwargs):
 TABLE["Gather"] = _Entry("embedding", "embedding", _embedding_shape, _gather_as_embedding)
 
 
-def lookup(name):
+def lookup(name: str) -> Any:
     return TABLE.get(name)
 
 

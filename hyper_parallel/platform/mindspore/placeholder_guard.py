@@ -25,7 +25,7 @@ GRAPH_MODE_MESSAGE = ("hyper_parallel on MindSpore runs in PyNative mode only (i
                       "Python, which GRAPH_MODE and ms.jit compile away): call "
                       "ms.set_context(mode=ms.PYNATIVE_MODE) and do not wrap parallelized Cells in ms.jit")
 
-_SEEN = {"count": 0, "last": ""}
+_SEEN: dict[str, Any] = {"count": 0, "last": ""}
 _TRACE = {"open": False}   # between a _jit_trace_begin that starts recording and its _jit_trace_end
 
 

@@ -8,6 +8,7 @@ DTensor base class (a ``Tensor`` subclass whose ``__fallback__`` hands every Min
 DTensor to core's sharding rules) in ``dtensor_base.py``, the op-name table in ``op_names.py``,
 shape inference for that table in ``meta.py`` and the attention kernels in ``attention.py``.
 """
+from typing import Any
 import os
 import resource
 import types
@@ -34,7 +35,8 @@ from hyper_parallel.platform.mindspore.dtensor_base import MindSporeDTensorBase
 _LAUNCHER_ENV = ("MS_ROLE", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT")
 
 
-class MindSporePlatform(MindSporeTrainingSupport, MindSporeLongSequence, MindSporeComputeState,  # training.py: DP
+# MindSporeTrainingSupport: training.py (DP)
+class MindSporePlatform(MindSporeTrainingSupport, MindSporeLongSequence, MindSporeComputeState,
                         Platform):
     name = "mindspore"
     Tensor = ms.Tensor
@@ -42,7 +44,7 @@ class MindSporePlatform(MindSporeTrainingSupport, MindSporeLongSequence, MindSpo
     Parameter = ms.Parameter
     DTensorBase = MindSporeDTensorBase
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         if ms.get_context("mode") != ms.PYNATIVE_MODE:
             raise RuntimeError("hyper_parallel on MindSpore needs PyNative mode "
@@ -52,43 +54,43 @@ class MindSporePlatform(MindSporeTrainingSupport, MindSporeLongSequence, MindSpo
 
     # ---------------------------------------------------------------- device
     @property
-    def device_type(self):
+    def device_type(self) -> Any:
         return str(ms.get_context("device_target")).lower()
 
     @property
-    def default_backend(self):
+    def default_backend(self) -> Any:
         return {"ascend": "hccl", "gpu": "nccl"}.get(self.device_type, "mccl")
 
-    def device(self):
+    def device(self) -> Any:
         return ms.get_context("device_target")
 
-    def set_device(self, local_rank):
+    def set_device(self, local_rank: Any) -> None:
         if self.device_type != "cpu":
             ms.set_device(ms.get_context("device_target"), int(local_rank))
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         _pynative_executor.sync()  # PyNative queues ops asynchronously, on CPU too: wait for them
         if self.device_type != "cpu":
             ms.runtime.synchronize()
 
-    def track_peak_memory(self):
+    def track_peak_memory(self) -> Any:
         """``with platform.track_peak_memory() as m: ...`` then ``m.peak_bytes``."""
         return _PeakMemory(self)
 
-    def peak_memory_bytes(self):
+    def peak_memory_bytes(self) -> Any:
         """Peak device memory; on CPU the process's peak resident set (not resettable)."""
         if self.device_type != "cpu":
             return int(ms.runtime.max_memory_allocated())
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     # ---------------------------------------------------------------- capabilities
-    def capabilities(self):
+    def capabilities(self) -> Any:
         """Native collectives and, where a kernel is missing, the registered emulations
         (emulations.py holds their descriptions)."""
         return {"backend": self.default_backend, **self._comm.capabilities()}
 
     # ---------------------------------------------------------------- process groups
-    def init_process_group(self, backend=None, timeout_s=None, **kwargs):
+    def init_process_group(self, backend: Any = None, timeout_s: Any = None, **kwargs: Any) -> None:
         if self.is_initialized():
             self._initialized = True
             return
@@ -101,61 +103,61 @@ class MindSporePlatform(MindSporeTrainingSupport, MindSporeLongSequence, MindSpo
         init(backend) if backend else init()
         self._initialized = True
 
-    def is_initialized(self):
+    def is_initialized(self) -> Any:
         return self._initialized or bool(GlobalComm.INITED)
 
-    def get_rank(self, group=None):
+    def get_rank(self, group: Any = None) -> Any:
         if group is None:
             return get_rank() if self.is_initialized() else 0
         return self._comm.me(self._comm.resolve(group))
 
-    def get_world_size(self, group=None):
+    def get_world_size(self, group: Any = None) -> Any:
         if group is None:
             return len(self._comm.world().ranks) if self.is_initialized() else 1
         return len(self._comm.resolve(group))
 
-    def new_group(self, ranks, timeout_s=None):
+    def new_group(self, ranks: Any, timeout_s: Any = None) -> Any:
         """``timeout_s`` is accepted for the shared interface and ignored: MindSpore's collectives
         have no per-group timeout (on CPU they give up after their own fixed ~30 s)."""
         return self._comm.new_group(ranks)
 
-    def group_ranks(self, group):
+    def group_ranks(self, group: Any) -> Any:
         return self._comm.resolve(group).ranks
 
-    def barrier(self, group=None):
+    def barrier(self, group: Any = None) -> None:
         group = self._comm.resolve(group)
         if len(group) > 1:
             mint.distributed.barrier(group=group.name)
 
-    def destroy_process_group(self):
+    def destroy_process_group(self) -> None:
         if self.is_initialized():
             self.barrier()
         self._comm.clear()
 
     # ---------------------------------------------------------------- autograd plumbing for core
     @staticmethod
-    def make_autograd_function(name, forward, backward):
+    def make_autograd_function(name: str, forward: Any, backward: Any) -> Any:
         """A differentiable callable from ``forward(ctx, *args)`` / ``backward(ctx, *grads)``
         (MindSpore's custom-backward Function; DTensor arguments and results are supported)."""
         return ag.make_autograd_function(name, forward, backward)
 
     @staticmethod
-    def no_grad():
+    def no_grad() -> Any:
         return _no_grad()
 
     @staticmethod
-    def forward_backward(fn, inputs):
+    def forward_backward(fn: Any, inputs: Any) -> None:
         out, pullback = ms.vjp(fn, *inputs)
         pullback(ops.ones_like(out))
 
     @staticmethod
-    def is_grad_enabled():
+    def is_grad_enabled() -> bool:
         """True while MindSpore records a graph for differentiation (inside ms.grad /
         value_and_grad, outside no_grad)."""
         return bool(_pynative_executor.requires_grad())
 
     @staticmethod
-    def loss_parallel_unsupported():
+    def loss_parallel_unsupported() -> str:
         # ops.cross_entropy is composed in Python of primitives (logsumexp, GatherD, masked_fill...),
         # so no single op reaches the vocab-parallel rule
         return ("MindSpore's ops.cross_entropy is composed of primitives that never reach the "
@@ -165,94 +167,94 @@ class MindSporePlatform(MindSporeTrainingSupport, MindSporeLongSequence, MindSpo
                 "the log-probs)")
 
     @staticmethod
-    def detach(tensor):
+    def detach(tensor: Any) -> Any:
         return tensor  # PyNative tensors hold no graph; ms.grad differentiates functions
 
     @staticmethod
-    def requires_grad(tensor):
+    def requires_grad(tensor: Any) -> Any:
         # a MindSpore Tensor has no flag (ms.grad decides what is differentiated); a Parameter has one
         return getattr(tensor, "requires_grad", True)
 
     @staticmethod
-    def is_floating_dtype(dtype):
+    def is_floating_dtype(dtype: Any) -> bool:
         return dtype in (ms.float16, ms.float32, ms.float64, ms.bfloat16, ms.complex64, ms.complex128)
 
     @staticmethod
-    def meta_tensor(shape, dtype):
+    def meta_tensor(shape: Any, dtype: Any) -> Any:
         return meta.MetaTensor(shape, dtype)
 
     @staticmethod
-    def to_meta(tensor):
+    def to_meta(tensor: Any) -> Any:
         return meta.MetaTensor(tuple(tensor.shape), tensor.dtype)
 
     # ---------------------------------------------------------------- tensor helpers for core
     @staticmethod
-    def is_tensor(obj):
+    def is_tensor(obj: Any) -> bool:
         return isinstance(obj, (ms.Tensor, meta.MetaTensor))
 
     @staticmethod
-    def local_sum(tensor, dim=None, keepdim=False):
+    def local_sum(tensor: Any, dim: Any = None, keepdim: bool = False) -> Any:
         """The sum of a local piece; MindSpore's CPU sum leaves an empty input's output
         uninitialised, so an empty piece gives zeros with a zero gradient (``op_names.local_sum``)."""
         from hyper_parallel.platform.mindspore.op_names import local_sum
         return local_sum(tensor, dim, keepdim)
 
     @staticmethod
-    def tensor(data, dtype=None, device=None):
+    def tensor(data: Any, dtype: Any = None, device: Any = None) -> Any:
         array = np.asarray(data)
         if dtype is None and array.dtype == np.float64:
             array = array.astype(np.float32)
         return ms.Tensor(array, dtype=dtype)
 
     @staticmethod
-    def arange(n, device=None):
+    def arange(n: Any, device: Any = None) -> Any:
         return ops.arange(int(n), dtype=ms.int64)
 
     @staticmethod
-    def cat(tensors, dim=0):
+    def cat(tensors: Any, dim: int = 0) -> Any:
         return mint.cat(list(tensors), dim)
 
     @staticmethod
-    def zeros(shape, dtype=None, device=None):
+    def zeros(shape: Any, dtype: Any = None, device: Any = None) -> Any:
         return mint.zeros(tuple(int(s) for s in shape), dtype=dtype or ms.float32)
 
     @staticmethod
-    def empty(shape, dtype=None, device=None):
+    def empty(shape: Any, dtype: Any = None, device: Any = None) -> Any:
         return mint.zeros(tuple(int(s) for s in shape), dtype=dtype or ms.float32)
 
     @staticmethod
-    def broadcast_shapes(*shapes):
+    def broadcast_shapes(*shapes: Any) -> Any:
         return tuple(np.broadcast_shapes(*[tuple(s) for s in shapes]))
 
     @staticmethod
-    def bool_dtype():
+    def bool_dtype() -> Any:
         return ms.bool_
 
     @staticmethod
-    def float32():
+    def float32() -> Any:
         return ms.float32
 
     @staticmethod
-    def is_floating_point(tensor):
+    def is_floating_point(tensor: Any) -> Any:
         return ms.dtype.is_floating_point(tensor.dtype) if hasattr(ms.dtype, "is_floating_point") \
             else tensor.dtype in (ms.float16, ms.float32, ms.float64, ms.bfloat16)
 
     @staticmethod
-    def manual_seed(seed):
+    def manual_seed(seed: Any) -> None:
         ms.set_seed(int(seed))
 
     # ---------------------------------------------------------------- modules and hooks
     # a Cell whose calls hyper_parallel routes is marked: compilers refuse it (compile_guard.py)
-    def register_forward_pre_hook(self, module, hook, with_kwargs=False):
+    def register_forward_pre_hook(self, module: Any, hook: Any, with_kwargs: bool = False) -> Any:
         compile_guard.mark(module)
         return module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
 
-    def register_forward_hook(self, module, hook, with_kwargs=False):
+    def register_forward_hook(self, module: Any, hook: Any, with_kwargs: bool = False) -> Any:
         compile_guard.mark(module)
         return module.register_forward_hook(hook, with_kwargs=with_kwargs)
 
     @staticmethod
-    def replace_forward(module, make_wrapper):
+    def replace_forward(module: Any, make_wrapper: Any) -> Any:
         """Route ``module``'s calls through ``make_wrapper(original_construct)``; returns a function
         that restores the original. The replacement is a bound method, as ``construct`` is:
         ``ms.jit(cell)`` reads ``cell.construct.__func__`` (a plain function gave an AttributeError
@@ -268,29 +270,29 @@ class MindSporePlatform(MindSporeTrainingSupport, MindSporeLongSequence, MindSpo
         return restore
 
     @staticmethod
-    def is_linear(module):
+    def is_linear(module: Any) -> bool:
         classes = (ms.nn.Dense,) + ((mint.nn.Linear,) if hasattr(mint.nn, "Linear") else ())
         return isinstance(module, classes)
 
     @staticmethod
-    def is_embedding(module):
+    def is_embedding(module: Any) -> bool:
         classes = (ms.nn.Embedding,) + ((mint.nn.Embedding,) if hasattr(mint.nn, "Embedding") else ())
         return isinstance(module, classes)
 
     @staticmethod
-    def embedding_weight_name(module):
+    def embedding_weight_name(module: Any) -> Any:
         return "embedding_table" if isinstance(module, ms.nn.Embedding) else "weight"
 
     @staticmethod
-    def named_children(module):
+    def named_children(module: Any) -> Any:
         return list(module.name_cells().items())
 
     @staticmethod
-    def named_modules(module):
+    def named_modules(module: Any) -> Any:
         return list(module.cells_and_names())
 
     @staticmethod
-    def named_parameters(module, recurse=False):
+    def named_parameters(module: Any, recurse: bool = False) -> Any:
         """The Cell's own parameters; a parallelized one as its DTensor view (set_parameter)."""
         if recurse:
             return list(module.parameters_and_names())
@@ -302,25 +304,28 @@ class MindSporePlatform(MindSporeTrainingSupport, MindSporeLongSequence, MindSpo
         return out
 
     @staticmethod
-    def set_parameter(module, name, value):
+    def set_parameter(module: Any, name: str, value: Any) -> None:
         from hyper_parallel.platform.mindspore.dtensor_base import set_dtensor_parameter
         set_dtensor_parameter(module, name, value)
 
     # ---------------------------------------------------------------- attention kernels
     @staticmethod
-    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    def sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
+             scale: Any = None, enable_gqa: bool = False) -> Any:
         """Scaled dot-product attention on (..., heads, seq, dim) tensors; DTensors go to the sdpa rule,
         as F.scaled_dot_product_attention's do on torch."""
         return attention_kernels.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale,
                                                               enable_gqa)
 
     @staticmethod
-    def attention_block_forward(q, k, v, causal=False, scale=None, mask=None, softcap=None):
+    def attention_block_forward(q: Any, k: Any, v: Any, causal: bool = False, scale: Any = None,
+                                mask: Any = None, softcap: Any = None) -> Any:
         return attention_kernels.block_forward(q, k, v, causal, scale, mask, softcap)
 
     @staticmethod
-    def attention_block_backward(grad_out, q, k, v, out, lse, causal=False, scale=None, mask=None,
-                                 softcap=None):
+    def attention_block_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
+                                 causal: bool = False, scale: Any = None, mask: Any = None,
+                                 softcap: Any = None) -> Any:
         return attention_kernels.block_backward(grad_out, q, k, v, out, lse, causal, scale, mask, softcap)
 
 

@@ -63,7 +63,7 @@ def _inplace(method, symbol):
     return operator
 
 
-def install():
+def install() -> None:
     """Once per process: the wrappers on ``mindspore.Tensor`` (see the module docstring)."""
     for attr, ms_name in BINARY.items():
         current = ms.Tensor.__dict__.get(attr)

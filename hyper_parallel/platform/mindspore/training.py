@@ -2,14 +2,15 @@
 reducer in ``nn.TrainOneStepCell``, checkpoint files, and the PyNative-only guard.
 
 ``MindSporeTrainingSupport`` is mixed into ``MindSporePlatform``. Core drives all of it:
-``core/data_parallel_tuple.py`` (the gradient all-reduce), ``core/dtensor/checkpoint_layout.py``
-(layouts and resharding) and ``core/dtensor/factories.py``.
+``core/data_parallel/api.py`` (the gradient all-reduce, on ``core/data_parallel/reducer.py``),
+``core/dtensor/checkpoint_layout.py`` (layouts and resharding) and ``core/dtensor/factories.py``.
 
 MindSpore hands gradients to the training step as one tuple, in the optimizer's parameter order
 (``grads = self.grad(self.network, self.weights)(...)``, then ``self.grad_reducer(grads)``), not
 through per-parameter hooks as torch does; so data parallelism here replaces that ``grad_reducer``
 Cell instead of hooking backward.
 """
+from typing import Any
 import numpy as np
 
 import mindspore as ms
@@ -47,21 +48,23 @@ def _to_numpy(tensor):
 class MindSporeTrainingSupport(MindSporeFullyShardSupport):   # fully_shard's members: its own file
     """Mixin of ``MindSporePlatform`` (see the module docstring)."""
 
-    # gradients reach the training step as a tuple (core: data_parallel_tuple), not through hooks
+    # gradients become ready together, as the tuple a training step hands its grad_reducer (core:
+    # data_parallel/api.py's TupleGradReducer), not one by one through hooks
     gradients_as_tuple = True
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         compile_guard.install()
         reflected_ops.install()
 
     @staticmethod
-    def check_execution_mode(who):
+    def check_execution_mode(who: Any) -> None:
         check_pynative(who)
 
     # ---------------------------------------------------------------- tensor factories
     @staticmethod
-    def create_tensor(kind, shape, dtype=None, device=None, fill_value=None):
+    def create_tensor(kind: Any, shape: Any, dtype: Any = None, device: Any = None,
+                      fill_value: Any = None) -> Any:
         """The factory ``kind`` (zeros / ones / empty / full / rand / randn) on ``shape``; rand and
         randn draw from MindSpore's global seed (``ms.set_seed``) exactly as ``ops.rand`` /
         ``ops.randn`` called directly do."""
@@ -77,7 +80,7 @@ class MindSporeTrainingSupport(MindSporeFullyShardSupport):   # fully_shard's me
 
     # ---------------------------------------------------------------- gradient reducer
     @staticmethod
-    def install_grad_reducer(cell, reduce_fn, who):
+    def install_grad_reducer(cell: Any, reduce_fn: Any, who: Any) -> bool:
         """Make ``reduce_fn(grads) -> grads`` the gradient reducer of a ``TrainOneStepCell``-like
         Cell (one with ``network`` and ``grad_reducer``); returns False for any other Cell (the
         caller applies the reducer itself). Calling the train step in GRAPH_MODE then raises (GRAPH_MODE
@@ -89,34 +92,34 @@ class MindSporeTrainingSupport(MindSporeFullyShardSupport):   # fully_shard's me
         return True
 
     @staticmethod
-    def train_step_network(cell):
+    def train_step_network(cell: Any) -> Any:
         """The network a ``TrainOneStepCell``-like Cell trains, or ``cell`` itself."""
         network = getattr(cell, "network", None)
         return network if isinstance(network, ms.nn.Cell) and hasattr(cell, "grad_reducer") else cell
 
     # ---------------------------------------------------------------- checkpoint files
     @staticmethod
-    def save_tensor_file(path, named_tensors):
+    def save_tensor_file(path: Any, named_tensors: Any) -> None:
         """Write ``{name: tensor}`` as a MindSpore checkpoint (``ms.load_checkpoint`` reads it)."""
         ms.save_checkpoint([{"name": name, "data": ms.Tensor(t) if not isinstance(t, ms.Tensor) else t}
                             for name, t in named_tensors.items()], path)
 
     @staticmethod
-    def load_tensor_file(path):
+    def load_tensor_file(path: Any) -> Any:
         """``{name: numpy array}`` of a MindSpore checkpoint file."""
         return {name: _to_numpy(param) for name, param in ms.load_checkpoint(path).items()}
 
     @staticmethod
-    def tensor_to_numpy(tensor):
+    def tensor_to_numpy(tensor: Any) -> Any:
         return _to_numpy(tensor)
 
     @staticmethod
-    def parameter_name(param):
+    def parameter_name(param: Any) -> Any:
         """The name a parameter is saved under (MindSpore: ``Parameter.name``, the Cell path)."""
         return param.name
 
     @staticmethod
-    def assign_parameter(param, array):
+    def assign_parameter(param: Any, array: Any) -> None:
         """Overwrite ``param``'s values in place (it keeps its dtype, shape and identity, so
         optimizers and DTensor views holding it see the new values)."""
         array = np.asarray(array)

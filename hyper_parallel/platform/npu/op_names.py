@@ -8,6 +8,7 @@ object it is taken from (``torch_npu._C._VariableFunctions``), and the dispatche
 ``torch.ops.npu.npu_fusion_attention`` (packet and ``.default`` overload), whichever of them exist
 in the installed torch_npu version.
 """
+from typing import Any
 import torch
 
 from hyper_parallel.platform.torch.dtensor_base import OP_NAMES
@@ -32,7 +33,7 @@ def _candidates(torch_npu, name):
     return unique
 
 
-def register_npu_op_names(torch_npu, table=None):
+def register_npu_op_names(torch_npu: Any, table: Any = None) -> Any:
     """Map torch_npu's kernels (those in ``NPU_OPS`` that the module has) to their neutral op names
     in ``table`` (default: the DTensor base's ``OP_NAMES``). Returns the callables registered.
 

@@ -8,6 +8,7 @@ streams and events), the default backend, and the attention kernel
 ``npu_fusion_attention`` sharding rule (see ``op_names.py`` and
 ``core/dtensor/ops/npu_attention*.py``).
 """
+from typing import Any
 import torch
 
 from hyper_parallel.platform.handles import AsyncHandle
@@ -29,39 +30,40 @@ def _import_torch_npu():
 class NpuPlatform(TorchPlatform):
     name = "npu"
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.torch_npu = _import_torch_npu()
         super().__init__()
         self.npu_op_functions = register_npu_op_names(self.torch_npu)
 
     # ---------------------------------------------------------------- device
     @property
-    def device_type(self):
+    def device_type(self) -> str:
         return "npu"
 
     @property
-    def default_backend(self):
+    def default_backend(self) -> str:
         return "hccl"
 
     def _device_module(self):
         return torch.npu
 
     # ---------------------------------------------------------------- streams and events
-    def current_stream(self):
+    def current_stream(self) -> Any:
         return self._device_module().current_stream()
 
-    def new_stream(self):
+    def new_stream(self) -> Any:
         return self._device_module().Stream()
 
-    def stream(self, stream):
+    def stream(self, stream: Any) -> Any:
         """Context manager: kernels launched inside run on ``stream``."""
         return self._device_module().stream(stream)
 
-    def new_event(self, enable_timing=False):
+    def new_event(self, enable_timing: bool = False) -> Any:
         return self._device_module().Event(enable_timing=enable_timing)
 
     # ---------------------------------------------------------------- collectives
-    def reduce_scatter(self, tensor, group, dim=0, op="sum", async_op=False):
+    def reduce_scatter(self, tensor: Any, group: Any, dim: int = 0, op: str = "sum",
+                       async_op: bool = False) -> Any:
         """HCCL has no AVG reduction: reduce-scatter the sum, then divide by the group size."""
         if op != "avg":
             return super().reduce_scatter(tensor, group, dim, op, async_op)
@@ -72,7 +74,7 @@ class NpuPlatform(TorchPlatform):
         return AsyncHandle([result], lambda: result.wait() / n)
 
     # ---------------------------------------------------------------- capabilities
-    def capabilities(self):
+    def capabilities(self) -> Any:
         table = super().capabilities()
         if table.get("backend") != "gloo":
             # the torch collectives divide a sum for avg on every backend but NCCL; HCCL has no AVG
@@ -82,6 +84,6 @@ class NpuPlatform(TorchPlatform):
         return table
 
     # ---------------------------------------------------------------- attention kernels
-    def npu_fusion_attention(self, *args, **kwargs):
+    def npu_fusion_attention(self, *args: Any, **kwargs: Any) -> Any:
         """``torch_npu.npu_fusion_attention``; on DTensors it runs through the sharding rule."""
         return self.torch_npu.npu_fusion_attention(*args, **kwargs)

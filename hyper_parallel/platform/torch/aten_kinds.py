@@ -1,4 +1,5 @@
 """Classify the aten ops that reach a DTensor below autograd (see dtensor_base.py)."""
+from typing import Any, Optional
 import functools
 
 import torch
@@ -17,7 +18,7 @@ _RESHAPE_IN_PLACE = {"t_", "transpose_", "swapdims_", "swapaxes_", "squeeze_", "
 
 
 @functools.lru_cache(maxsize=None)
-def aten_kind(func):
+def aten_kind(func: Any) -> Optional[str]:
     """One of "alias", "like", "new_like", "fill", "foreach", "random", "pointwise", "view",
     "reshape_in_place", "index_backward", "lazy_bit", or None (no generic rule)."""
     if func.overloadpacket.__name__ in _RESHAPE_IN_PLACE:
@@ -58,7 +59,7 @@ def _in_place_of_pointwise(func):
     return twin is not None and torch.Tag.pointwise in twin.tags
 
 
-def foreach_to_single(func, args=None, kwargs=None):
+def foreach_to_single(func: Any, args: Any = None, kwargs: Any = None) -> Any:
     """Without ``args``: the single-tensor aten op that one position of a ``_foreach_*`` op performs,
     or None. With the foreach call's ``args`` / ``kwargs``: one ``(op, item_args, item_kwargs,
     copy_into_self)`` per list position, or None when no single op fits. ``copy_into_self``: aten has
@@ -159,7 +160,7 @@ _UNMARKED_WRITES = {"native_batch_norm": ("running_mean", "running_var"),
 
 
 @functools.lru_cache(maxsize=None)
-def written_arguments(func):
+def written_arguments(func: Any) -> Any:
     """(position, name) of every schema argument ``func`` writes into."""
     schema = func._schema
     extra = _UNMARKED_WRITES.get(func.overloadpacket.__name__, ())

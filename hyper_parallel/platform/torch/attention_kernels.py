@@ -11,6 +11,7 @@ the plain tensor version (exact; its backward goes through d tanh = 1 - tanh²).
 CPU uses the fused flash-attention-for-CPU kernels; elsewhere a plain tensor version (exact, not
 memory-efficient) is the fallback.
 """
+from typing import Any
 import torch
 
 _aten = torch.ops.aten
@@ -37,7 +38,8 @@ def _cut(t, size):
     return t if t.shape[-1] == size else t[..., :size].contiguous()
 
 
-def block_forward(q, k, v, causal, scale, mask=None, softcap=None):
+def block_forward(q: Any, k: Any, v: Any, causal: Any, scale: Any, mask: Any = None,
+                  softcap: Any = None) -> Any:
     if softcap or not _cpu_flash(q):
         return _math_forward(q, k, v, causal, scale, mask, softcap)
     size, scale = max(q.shape[-1], v.shape[-1]), q.shape[-1] ** -0.5 if scale is None else scale
@@ -47,7 +49,8 @@ def block_forward(q, k, v, causal, scale, mask=None, softcap=None):
     return _cut(out, v.shape[-1]), lse
 
 
-def block_backward(grad_out, q, k, v, out, lse, causal, scale, mask=None, softcap=None):
+def block_backward(grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, causal: Any, scale: Any,
+                   mask: Any = None, softcap: Any = None) -> Any:
     if softcap or not _cpu_flash(q):
         return _math_backward(grad_out, q, k, v, out, lse, causal, scale, mask, softcap)
     size, scale = max(q.shape[-1], v.shape[-1]), q.shape[-1] ** -0.5 if scale is None else scale

@@ -6,10 +6,11 @@ reaches the C apply that builds the node. On a small op that wrapper costs more 
 itself, and DTensor dispatch builds one or two such nodes per op. Our Functions take ``ctx`` in
 ``forward`` (no ``setup_context``), so outside functorch transforms the C apply does the same.
 """
+from typing import Any
 import torch
 
 
-def lean_apply(function_class):
+def lean_apply(function_class: Any) -> Any:
     """``function_class.apply``, going straight to the C apply unless a functorch transform (vmap,
     grad...) is active; then torch's full path runs, which handles (or rejects) the transform.
     Not done here: unwrapping a dead functorch wrapper (a tensor leaked out of a finished
@@ -22,5 +23,5 @@ def lean_apply(function_class):
         if transforms_active():
             return full_apply(*args)
         return c_apply(*args)
-    apply.function_class = function_class
+    apply.function_class = function_class  # type: ignore[attr-defined]
     return apply

@@ -4,6 +4,7 @@ Every function takes tensors of any layout and returns new contiguous tensors. W
 lacks a collective, or implements it weakly, it is emulated with one that exists; the capability
 table in ``platform.py`` says which.
 """
+from typing import Any
 import torch
 import torch.distributed as dist
 
@@ -18,7 +19,7 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
                "avg": dist.ReduceOp.SUM}
 
 
-def check_reduce_op(op):
+def check_reduce_op(op: Any) -> None:
     if op not in _REDUCE_OPS:
         raise ValueError(f"reduce op {op!r} is not supported; use one of {sorted(_REDUCE_OPS)}")
 
@@ -37,7 +38,7 @@ class CollectiveTimeoutError(TimeoutError, CollectiveError):
     joined it (it raised, exited, or took another code path)."""
 
 
-def collective_error(op, ranks, timeout_s, exc):
+def collective_error(op: Any, ranks: Any, timeout_s: Any, exc: Any) -> Any:
     """The error to raise for backend error ``exc`` in collective ``op`` on group ``ranks``."""
     limit = "the default timeout" if timeout_s is None else f"{timeout_s:g} s"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -67,7 +68,7 @@ class _NamedWork:
 class Collectives:
     """Collectives bound to one platform (for accounting and backend quirks)."""
 
-    def __init__(self, platform):
+    def __init__(self, platform: Any) -> None:
         self._platform = platform
 
     def _backend_is(self, group, name):
@@ -109,7 +110,7 @@ class Collectives:
 
     # --------------------------------------------------------------------------- all-gather
     @widening
-    def all_gather(self, tensor, group, dim=0, async_op=False):
+    def all_gather(self, tensor: Any, group: Any, dim: int = 0, async_op: bool = False) -> Any:
         if tensor.dim() == 0:  # a 0-dim tensor gathers into a vector (as on every platform)
             tensor = tensor.reshape(1)
         n = dist.get_world_size(group)
@@ -156,7 +157,8 @@ class Collectives:
 
     # --------------------------------------------------------------------------- all-to-all
     @widening
-    def all_to_all_single(self, tensor, group, split_dim=0, concat_dim=0, async_op=False):
+    def all_to_all_single(self, tensor: Any, group: Any, split_dim: int = 0, concat_dim: int = 0,
+                          async_op: bool = False) -> Any:
         n = dist.get_world_size(group)
         split_dim, concat_dim = split_dim % tensor.dim(), concat_dim % tensor.dim()  # negative dims
         if n == 1:
@@ -177,7 +179,7 @@ class Collectives:
         return self._finish(async_op, works, finish)
 
     @widening
-    def all_to_all(self, tensors, group, out_shapes=None, async_op=False):
+    def all_to_all(self, tensors: Any, group: Any, out_shapes: Any = None, async_op: bool = False) -> Any:
         """List all-to-all, emulated with one uneven all_to_all_single of flattened buffers
         (gloo has no list form)."""
         n = dist.get_world_size(group)
@@ -208,7 +210,8 @@ class Collectives:
 
     # --------------------------------------------------------------------------- reductions
     @widening
-    def reduce_scatter(self, tensor, group, dim=0, op="sum", async_op=False):
+    def reduce_scatter(self, tensor: Any, group: Any, dim: int = 0, op: str = "sum",
+                       async_op: bool = False) -> Any:
         check_reduce_op(op)
         n = dist.get_world_size(group)
         dim = dim % tensor.dim()  # unflatten + movedim below need a non-negative dim
@@ -227,7 +230,7 @@ class Collectives:
                 received, blocks, group=group, async_op=async_op), async_op)
             return self._finish(async_op, works,
                                 lambda: _reduce_stack(received if perm is None else received[perm[0]],
-                                                  op, n))
+                                                      op, n))
         out = torch.empty(blocks.shape[1:], dtype=tensor.dtype, device=tensor.device)
         native_op = dist.ReduceOp.AVG if op == "avg" and not self._backend_is(group, "gloo") \
             else _REDUCE_OPS[op]
@@ -237,7 +240,8 @@ class Collectives:
                             lambda: out / n if op == "avg" and native_op != dist.ReduceOp.AVG else out)
 
     @widening
-    def all_reduce(self, tensor, group, op="sum", async_op=False, tag=None):
+    def all_reduce(self, tensor: Any, group: Any, op: str = "sum", async_op: bool = False,
+                   tag: Any = None) -> Any:
         check_reduce_op(op)
         n = dist.get_world_size(group)
         out = tensor.contiguous().clone()
@@ -275,7 +279,7 @@ class Collectives:
                             lambda: out.div_(n) if scale else out)
 
     @widening
-    def broadcast(self, tensor, src, group, async_op=False):
+    def broadcast(self, tensor: Any, src: Any, group: Any, async_op: bool = False) -> Any:
         n = dist.get_world_size(group)
         out = tensor.contiguous().clone()
         if n == 1:
@@ -289,7 +293,7 @@ class Collectives:
         return self._finish(async_op, works, lambda: out)
 
     # --------------------------------------------------------------------------- point-to-point
-    def p2p_exchange(self, sends, recvs, group=None, async_op=False):
+    def p2p_exchange(self, sends: Any, recvs: Any, group: Any = None, async_op: bool = False) -> Any:
         me = dist.get_rank()
         if any(traced.tracing(t) for t, _ in sends):
             traced.unsupported("p2p_exchange")

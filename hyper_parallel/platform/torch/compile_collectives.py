@@ -7,6 +7,7 @@ functions (forward and backward) are traced into the compiled graph and inductor
 Semantics match the eager paths: blocks in a group's creation order, the same dims, the same
 reduce ops (avg as sum / n, as gloo's eager path does), and the same byte accounting.
 """
+from typing import Any
 import torch
 import torch.distributed as dist
 
@@ -16,7 +17,7 @@ _C10D = torch.ops._c10d_functional
 _OPS = {"sum": "sum", "avg": "sum", "max": "max", "min": "min"}
 
 
-def tracing(tensor) -> bool:
+def tracing(tensor: Any) -> bool:
     """Whether ``tensor`` is being traced by torch.compile (dynamo's fake example values, or
     AOTAutograd's functional / fake tensors): then no eager collective can run on it."""
     if not torch.compiler.is_compiling():
@@ -38,7 +39,7 @@ def _name(group) -> str:
     return getattr(group or dist.group.WORLD, "group_name")
 
 
-def all_gather(comm, tensor, group, dim, async_op):
+def all_gather(comm: Any, tensor: Any, group: Any, dim: Any, async_op: Any) -> Any:
     """``tensor``'s pieces of all ranks concatenated along ``dim`` (creation order)."""
     n = dist.get_world_size(group)
     moved = tensor.movedim(dim, 0).contiguous()
@@ -59,7 +60,7 @@ def _exchange(comm, blocks, group):
     return out.reshape(blocks.shape)
 
 
-def all_to_all_single(comm, blocks, perm, group, concat_dim, async_op):
+def all_to_all_single(comm: Any, blocks: Any, perm: Any, group: Any, concat_dim: Any, async_op: Any) -> Any:
     """The exchange of ``Collectives.all_to_all_single`` after its checks and block split."""
     comm._record("all_to_all", blocks.numel() * blocks.element_size() * (blocks.shape[0] - 1)
                  // blocks.shape[0], group)
@@ -69,7 +70,8 @@ def all_to_all_single(comm, blocks, perm, group, concat_dim, async_op):
                    async_op)
 
 
-def reduce_scatter(comm, blocks, perm, group, op, reduce_stack, async_op):
+def reduce_scatter(comm: Any, blocks: Any, perm: Any, group: Any, op: Any, reduce_stack: Any,
+                   async_op: Any) -> Any:
     """All-to-all of the blocks, then the reduction in rank order (the eager gloo path's bytes)."""
     n = blocks.shape[0]
     comm._record("reduce_scatter", blocks.numel() * blocks.element_size() * (n - 1) // n, group)
@@ -77,7 +79,7 @@ def reduce_scatter(comm, blocks, perm, group, op, reduce_stack, async_op):
     return _finish(reduce_stack(received if perm is None else received[perm[0]], op, n), async_op)
 
 
-def all_reduce(comm, tensor, group, op, async_op, tag):
+def all_reduce(comm: Any, tensor: Any, group: Any, op: Any, async_op: Any, tag: Any) -> Any:
     n = dist.get_world_size(group)
     out = tensor.contiguous()
     comm._record(tag or "all_reduce", 2 * out.numel() * out.element_size() * (n - 1) // n, group)
@@ -92,7 +94,7 @@ def all_reduce(comm, tensor, group, op, async_op, tag):
     return _finish(result / n if op == "avg" else result, async_op)
 
 
-def broadcast(comm, tensor, src, group, async_op):
+def broadcast(comm: Any, tensor: Any, src: Any, group: Any, async_op: Any) -> Any:
     """The source rank's value on every rank: an all-reduce of it and zeros elsewhere (there is
     no functional broadcast)."""
     out = tensor.contiguous()
@@ -102,7 +104,7 @@ def broadcast(comm, tensor, src, group, async_op):
     return _finish(_wait(_C10D.all_reduce(mine, "sum", _name(group))), async_op)
 
 
-def unsupported(op: str):
+def unsupported(op: str) -> Any:
     """Collectives with no functional form here (point-to-point: ring attention)."""
     raise NotImplementedError(
         f"{op} cannot be traced by torch.compile here (no functional point-to-point collective); run "

@@ -21,7 +21,7 @@ import enum
 import functools
 import types
 import warnings
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
@@ -43,12 +43,52 @@ def _wrap(local, desc):
     return cls.from_local(local, mesh, list(placements), shape=shape, stride=stride)
 
 
+class _Described:
+    """An argument that describes itself to the graph (``hp_graph_parts()``, e.g. Hugging Face's
+    MaskSpec): equal, for the signature key, when its description is; its tensors are graph inputs
+    and ``rebuild`` makes it again from the traced ones."""
+
+    def __init__(self, description: Any, count: int, rebuild: Callable[[List[Any]], Any]) -> None:
+        self.description, self.count, self.rebuild = description, count, rebuild
+
+    def __eq__(self, other):
+        return isinstance(other, _Described) and \
+            (self.description, self.count) == (other.description, other.count)
+
+    def __hash__(self):
+        return hash((self.description, self.count))
+
+
+def _expand(leaves: List[Any]) -> List[Any]:
+    """``leaves`` with each self-describing argument replaced by its ``_Described`` and its tensors
+    appended at the end (after the pytree's own leaves)."""
+    leaves, extra = list(leaves), []
+    for i, leaf in enumerate(leaves):
+        parts = getattr(leaf, "hp_graph_parts", None)
+        if parts is not None and not isinstance(leaf, torch.Tensor):
+            description, tensors, rebuild = parts()
+            leaves[i] = _Described(description, len(tensors), rebuild)
+            extra.extend(tensors)
+    return leaves + extra
+
+
+def _restore(leaves: List[Any], count: int) -> List[Any]:
+    """The pytree's ``count`` leaves, self-describing arguments rebuilt from the appended tensors."""
+    extra, out = count, list(leaves[:count])
+    for i, leaf in enumerate(out):
+        if isinstance(leaf, _Described):
+            out[i] = leaf.rebuild(list(leaves[extra:extra + leaf.count]))
+            extra += leaf.count
+    return out
+
+
 class _Signature:
     """One call signature: which flat leaves are tensors (and their layouts), the constants, and
     (filled while tracing) the outputs' structure."""
 
     def __init__(self, spec, leaves):
         self.spec = spec
+        self.count = spec.num_leaves
         self.constants = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         self.slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         self.layouts = [_describe(leaves[i]) for i in self.slots]
@@ -73,14 +113,41 @@ def _mutable_argument(leaves):
     object), or None. The trace bakes such a value in and would mutate it only once, at trace time:
     a call carrying one runs eagerly."""
     for value in leaves:
-        if not isinstance(value, (torch.Tensor,) + _CONSTANT_TYPES):
+        if not isinstance(value, (torch.Tensor, _Described) + _CONSTANT_TYPES):
             return value
+    return None
+
+
+_SETTING_TYPES = (bool, int, float, str, type(None))
+_MAX_SIGNATURES = 16   # a setting that changes on every call would otherwise recompile forever
+
+
+def _settings(module: torch.nn.Module) -> tuple:
+    """The public plain-valued attributes of ``module`` and its sub-modules (``training``, an
+    attention's ``is_causal`` or ``window``...): forward reads them while it is traced and the graph
+    keeps what it read, so they are part of the key: a change recompiles, and the trace-time checks
+    (SPEC §19's agreement) run again with the new value."""
+    return tuple((name, tuple(sorted((k, v) for k, v in m.__dict__.items()
+                                     if type(v) in _SETTING_TYPES and not k.startswith("_"))))
+                 for name, m in module.named_modules())
+
+
+def _user_error(exc: Optional[BaseException]) -> Optional[ValueError]:
+    """The library's ValueError (bad input, ranks that disagree) behind a compile failure, if any."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ValueError):
+            return exc
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
     return None
 
 
 class CompiledParallelModule:
     """``module``'s forward, compiled as described in the module docstring; one compiled graph per
-    call signature (tensor layouts, non-tensor arguments). Use through ``compile_module``."""
+    call signature (tensor layouts, non-tensor arguments, self-describing arguments, the modules'
+    plain settings: docs/compile.md "Signatures"), made at its second call (the first runs
+    eagerly). Use through ``compile_module``."""
 
     def __init__(self, module: torch.nn.Module, forward: Callable, compile_kwargs: Dict[str, Any]):
         self.module = module
@@ -88,7 +155,7 @@ class CompiledParallelModule:
         self.compile_kwargs = compile_kwargs
         self.compiled: Dict[Any, Callable] = {}
         self._last = None
-        self._warned = set()
+        self._warned: set = set()
 
     def _state(self):
         return dict(self.module.named_parameters(remove_duplicate=False)), \
@@ -99,20 +166,28 @@ class CompiledParallelModule:
         and its tensors as local shards (``to_local``: differentiable, eager)."""
         params, buffers = self._state()
         leaves, spec = tree_flatten((params, buffers, args, kwargs))
+        leaves = _expand(leaves)
         signature = _Signature(spec, leaves)
-        key = signature.key(leaves)
+        key = (signature.key(leaves), _settings(self.module))
         entry = self.compiled.get(key)
+        if entry is None and len(self.compiled) >= _MAX_SIGNATURES:
+            if "limit" not in self._warned:
+                self._warned.add("limit")
+                warnings.warn(f"compile_module: {type(self.module).__name__} has {_MAX_SIGNATURES} compiled "
+                              f"signatures (shapes, layouts, settings); new ones run eagerly; "
+                              f"docs/compile.md")
+            return None, None
         if entry is None:
             region = self._build(signature)
             entry = self.compiled[key] = (signature, region, torch.compile(region, **self.compile_kwargs),
-                                          {"traced": False, "eager": None})
+                                          {"traced": False, "eager": None, "calls": 0})
         signature = entry[0]
         flat_in = [leaves[i] for i in signature.slots]
         flat_in = [x.to_local() if layout is not None else x for x, layout in zip(flat_in, signature.layouts)]
         return entry, flat_in
 
     def __call__(self, *args, **kwargs):
-        mutable = _mutable_argument(tree_flatten((args, kwargs))[0])
+        mutable = _mutable_argument(_expand(tree_flatten((args, kwargs))[0]))
         if mutable is not None:
             if type(mutable) not in self._warned:
                 self._warned.add(type(mutable))
@@ -121,13 +196,22 @@ class CompiledParallelModule:
                               f"while tracing); docs/compile.md")
             return self.forward(*args, **kwargs)
         entry, flat_in = self._prepare(args, kwargs)
+        if entry is None:
+            return self.forward(*args, **kwargs)
         signature, _, fn, state = entry
-        if state["eager"] is not None:
+        state["calls"] += 1
+        if state["eager"] is not None or state["calls"] == 1:
+            # the first call of a signature runs eagerly: SPEC §19's first-call checks (ranks that
+            # disagree on a setting, a shape) exchange real values there, which a trace cannot; the
+            # graph is made at the second call, its checks then on the keys this call verified
             return self.forward(*args, **kwargs)
         self._last = (entry[1], [(x.shape, x.dtype, x.requires_grad) for x in flat_in])
         try:
             flat_out = fn(*flat_in)
         except (torch._dynamo.exc.TorchRuntimeError, torch._dynamo.exc.BackendCompilerFailed) as exc:
+            error = _user_error(exc)
+            if error is not None:   # a refusal (every rank alike): the user's error, not a compile failure
+                raise error from exc
             if state["traced"]:
                 raise
             # the block reads a tensor's value on the host while tracing (expert routing counts):
@@ -148,8 +232,15 @@ class CompiledParallelModule:
         without arguments, of the last call's region, on zeros of its inputs' shapes (the call's own
         tensors may be gone: fully_shard frees unsharded parameters after forward)."""
         if args or kwargs:
-            (_, region, _, _), flat_in = self._prepare(args, kwargs)
+            entry, flat_in = self._prepare(args, kwargs)
+            if entry is None:
+                raise ValueError(f"explain: {type(self.module).__name__} has {_MAX_SIGNATURES} compiled "
+                                 f"signatures already; a call with these arguments runs eagerly")
+            region = entry[1]
         else:
+            if self._last is None:
+                raise ValueError("explain(): no compiled call yet (a signature's first call runs eagerly); "
+                                 "call the block twice or pass a call's arguments")
             region, meta = self._last
             flat_in = [torch.zeros(shape, dtype=dtype).requires_grad_(grad) for shape, dtype, grad in meta]
         return torch._dynamo.explain(region)(*flat_in)
@@ -161,7 +252,7 @@ class CompiledParallelModule:
             leaves = list(signature.constants)
             for slot, value, layout in zip(signature.slots, tensors, signature.layouts):
                 leaves[slot] = value if layout is None else _wrap(value, layout)
-            params, buffers, args, kwargs = tree_unflatten(leaves, signature.spec)
+            params, buffers, args, kwargs = tree_unflatten(_restore(leaves, signature.count), signature.spec)
             with _reparametrize_module(module, {**params, **buffers}):
                 out = forward(*args, **kwargs)
             out_leaves, out_spec = tree_flatten(out)

@@ -1,4 +1,5 @@
 """torch's element sizes and default computation state (platform/compute_state_contract.py)."""
+from typing import Any
 import contextlib
 
 import torch
@@ -9,7 +10,7 @@ _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
 
 class TorchComputeState:
     @staticmethod
-    def dtype_itemsize(dtype) -> int:
+    def dtype_itemsize(dtype: Any) -> int:
         return int(dtype.itemsize)
 
     @staticmethod

@@ -7,6 +7,7 @@ of the global sequence (this rank's block under context parallelism, ``shard_seq
 model's loss, ``backward()``, an AdamW step, ``zero_grad``. The same ``TrainStep`` runs on real
 tensors in the tests, which is how the fake run is checked against a real one.
 """
+from typing import Any, Literal
 import contextlib
 import time
 
@@ -17,10 +18,20 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from hyper_parallel.platform.torch.dry_run_tracker import StepTracker
 
-__all__ = ["FakeWorld", "TrainStep", "StepTracker", "meta_device", "calibrate_cpu"]
+__all__ = ["FakeWorld", "TrainStep", "StepTracker", "meta_device", "calibrate_cpu", "dtype"]
 
 
-def meta_device():
+def dtype(name: Any) -> Any:
+    """torch's dtype of a name ('bfloat16', 'torch.float32'); None stays None."""
+    if name is None:
+        return None
+    value = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"dry run: dtype {name!r} is not a torch dtype name (e.g. 'bfloat16', 'float32')")
+    return value
+
+
+def meta_device() -> Any:
     """Build a model here: parameters on ``meta`` (no memory), allocated later per rank."""
     return torch.device("meta")
 
@@ -42,7 +53,7 @@ class FakeWorld:
         dist.init_process_group("fake", rank=self.rank, world_size=self.world_size, store=FakeStore())
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc: Any) -> Literal[False]:
         dist.destroy_process_group()
         return False
 
@@ -57,7 +68,8 @@ class TrainStep:
     block of them when ``cp_mesh`` is given). ``fake``: a FakeTensorMode to run under (the model is
     then allocated from meta under it), or None for a real run on allocated parameters."""
 
-    def __init__(self, model, seq_len: int, batch: int, cp_mesh=None, fake=None, lr: float = 1e-4) -> None:
+    def __init__(self, model: Any, seq_len: int, batch: int, cp_mesh: Any = None, fake: Any = None,
+                 lr: float = 1e-4) -> None:
         self.model, self.seq_len, self.batch, self.cp_mesh = model, seq_len, batch, cp_mesh
         self.fake = fake
         with self._mode():
@@ -84,7 +96,7 @@ class TrainStep:
         return {"input_ids": ids, "labels": labels, "shift_labels": labels,
                 "num_items_in_batch": self.batch * self.seq_len}
 
-    def run(self, shard_sequence, tracker=None) -> float:
+    def run(self, shard_sequence: Any, tracker: Any = None) -> float:
         """One step; with ``tracker`` its phases are labelled. Returns the wall time (seconds)."""
         start = time.perf_counter()
         phase = tracker if tracker is not None else type("_NoTracker", (), {})()
@@ -117,17 +129,26 @@ def _local(tensor):
 
 
 def calibrate_cpu(size: int = 1024, repeats: int = 5) -> dict:
-    """This machine's achieved fp32 matmul FLOP/s and memcpy bytes/s (best of ``repeats``)."""
+    """This machine's achieved fp32 matmul FLOP/s, memcpy bytes/s and seconds per small op (the host's
+    dispatch cost of one eager op). Medians of ``repeats``, not bests: on a shared machine the median
+    is what a longer run gets."""
+    import statistics
     a, b = torch.randn(size, size), torch.randn(size, size)
     x = torch.empty(32 * 1024 * 1024 // 4)
     y = torch.empty_like(x)
-    best_mm = best_copy = float("inf")
+    small = torch.ones(16)
+    mm, copy, ops = [], [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         torch.mm(a, b)
-        best_mm = min(best_mm, time.perf_counter() - t0)
+        mm.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         y.copy_(x)
-        best_copy = min(best_copy, time.perf_counter() - t0)
-    return {"flops": 2 * size ** 3 / best_mm, "bytes_per_s": 2 * x.numel() * 4 / best_copy,
-            "threads": torch.get_num_threads()}
+        copy.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for _ in range(200):
+            small = small + 1
+        ops.append((time.perf_counter() - t0) / 200)
+    return {"flops": 2 * size ** 3 / statistics.median(mm),
+            "bytes_per_s": 2 * x.numel() * 4 / statistics.median(copy),
+            "op_seconds": statistics.median(ops), "threads": torch.get_num_threads()}

@@ -14,6 +14,7 @@ buffers (storages a collective read or wrote), activations (made in forward) and
 rest). FLOPs use PyTorch's FlopCounterMode formulas, plus the CPU flash-attention kernels it lacks
 (causal attention counted as half the score matrix, as the kernels skip the masked blocks).
 """
+from typing import Any
 import collections
 import weakref
 
@@ -62,15 +63,16 @@ class StepTracker(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.phase = "setup"
-        self._live = {}        # id(storage) -> [weakref, bytes, phase, used by a collective]
+        self._live: dict[Any, Any] = {}        # id(storage) -> [weakref, bytes, phase, used by a collective]
         self.live_bytes = 0
         self.peak_bytes = 0
-        self._peak = []        # [(weakref, bytes, phase, comm)] at the peak
+        self._peak: list[Any] = []        # [(weakref, bytes, phase, comm)] at the peak
         self.flops = 0
-        self.ops = collections.Counter()   # (flops, bytes touched) -> count, of ops with a FLOP formula
+        self.ops: Any = collections.Counter()   # (flops, bytes touched) -> count, of ops with a FLOP formula
         self.memory_bound_bytes = 0
+        self.op_count = 0      # every computing op (not collectives): each costs a dispatch on the host
 
-    def adopt(self, tensors, phase: str = "setup") -> None:
+    def adopt(self, tensors: Any, phase: str = "setup") -> None:
         """Count storages that exist before the step (parameters, optimizer state)."""
         for t in tensors:
             self._observe(t, phase, False)
@@ -116,6 +118,7 @@ class StepTracker(TorchDispatchMode):
                 self._observe(t, self.phase, comm)
         self._maybe_peak()
         if not comm:
+            self.op_count += 1
             self._count(func, args, kwargs, out, inputs, outputs)
         return out
 
@@ -139,7 +142,7 @@ class StepTracker(TorchDispatchMode):
         else:
             self.memory_bound_bytes += moved
 
-    def breakdown(self, params, grads, optimizer_state) -> dict:
+    def breakdown(self, params: Any, grads: Any, optimizer_state: Any) -> dict:
         """Bytes per category at the peak (``CATEGORIES``), given the tensors of each kind."""
         def keys(tensors):
             return {id(t.untyped_storage()) for t in tensors}

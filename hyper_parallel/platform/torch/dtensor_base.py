@@ -56,9 +56,10 @@ def _global_strides(local, shape):
 
 _TORCH_FUNCTION_ON = torch._C._is_torch_function_enabled
 _TORCH_FUNCTION_MODE = torch._C._is_torch_function_mode_enabled
-_SET_TORCH_FUNCTION = torch._C._set_torch_function_state
-_ENABLED, _SUBCLASSES_OFF = (torch._C._TorchFunctionState.ENABLED,
-                             torch._C._TorchFunctionState.SUBCLASSES_DISABLED)
+# private C API the stubs do not declare
+_SET_TORCH_FUNCTION = torch._C._set_torch_function_state  # type: ignore[attr-defined]
+_ENABLED, _SUBCLASSES_OFF = (torch._C._TorchFunctionState.ENABLED,  # type: ignore[attr-defined]
+                             torch._C._TorchFunctionState.SUBCLASSES_DISABLED)  # type: ignore[attr-defined]
 
 
 @eager_boundary
@@ -136,8 +137,10 @@ class TorchDTensorBase(torch.Tensor):
 
     # grad mode, for core's dispatch fast path: the C function itself, not a Python frame around it
     _hp_grad_enabled = staticmethod(torch.is_grad_enabled)
-    _hp_requires_grad = torch.Tensor.requires_grad.__get__   # of a plain tensor (a local result)
-    _hp_is_leaf = torch.Tensor.is_leaf.__get__   # of a DTensor, read under DisableTorchFunctionSubclass
+    # of a plain tensor (a local result); the stubs type the descriptor as its value
+    _hp_requires_grad = torch.Tensor.requires_grad.__get__  # type: ignore[attr-defined]
+    # of a DTensor, read under DisableTorchFunctionSubclass
+    _hp_is_leaf = torch.Tensor.is_leaf.__get__  # type: ignore[attr-defined]
     _hp_detach = torch.Tensor.detach   # a shard's alias without history, for the fast path's nodes
 
     # the Python operators whose torch function is the plain method (found by probing torch)

@@ -5,6 +5,7 @@ not be redistributed. Such tensors are widened to a signed integer type that hol
 (int16 / uint16 -> int32, uint32 -> int64) for the collective and narrowed back after it. That is
 exact for data movement and for max / min; sums wrap around as they do in the narrow type.
 """
+from typing import Any
 import functools
 
 import torch
@@ -34,7 +35,7 @@ def _needs_widening():
     return dist.get_backend() == "gloo"  # one backend per job: the default group's
 
 
-def widening(method):
+def widening(method: Any) -> Any:
     """Decorate a Collectives method whose tensors (first positional argument, nested lists and
     (tensor, peer) pairs included) may have a dtype the backend lacks."""
     @functools.wraps(method)

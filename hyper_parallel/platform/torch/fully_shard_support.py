@@ -1,11 +1,11 @@
 """What fully_shard needs from torch beyond collectives: freeing and re-allocating a parameter's
 memory in place, writes autograd does not track, parameter swaps and backward hooks."""
-from typing import Callable
+from typing import Any, Callable, Literal
 
 import torch
 
 
-def free_storage(tensor):
+def free_storage(tensor: Any) -> None:
     """Resize the storage to nothing: the tensor object (and autograd's saved references to it)
     survive, so re-allocating and refilling it before backward makes them valid again."""
     storage = tensor.untyped_storage()
@@ -13,33 +13,33 @@ def free_storage(tensor):
         storage.resize_(0)
 
 
-def alloc_storage(tensor):
+def alloc_storage(tensor: Any) -> None:
     storage = tensor.untyped_storage()
     nbytes = (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
     if storage.size() != nbytes:
         storage.resize_(nbytes)
 
 
-def untracked(tensor):
+def untracked(tensor: Any) -> Any:
     """``tensor.data``: same memory, its own version counter, so refilling a parameter that autograd
     saved in forward does not fail backward's "modified by an inplace operation" check."""
     return tensor.data
 
 
-def swap_parameter(module, name, value):
+def swap_parameter(module: Any, name: str, value: Any) -> None:
     # straight into the registry: register_parameter would wrap a non-Parameter in a new object
     module._parameters[name] = value
 
 
-def register_multi_grad_hook(tensors, hook, mode="any"):
+def register_multi_grad_hook(tensors: Any, hook: Any, mode: Literal["all", "any"] = "any") -> Any:
     return torch.autograd.graph.register_multi_grad_hook(tuple(tensors), lambda grads: hook(), mode=mode)
 
 
-def is_autograd_leaf(tensor):
+def is_autograd_leaf(tensor: Any) -> bool:
     return tensor.grad_fn is None
 
 
-def queue_backward_callback(callback):
+def queue_backward_callback(callback: Any) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
@@ -60,5 +60,5 @@ def register_grad_arrival_hook(param: torch.Tensor, hook: Callable) -> object:
 STATE_METHODS = (staticmethod(register_optimizer_step_pre_hook), staticmethod(register_grad_arrival_hook))
 
 PLATFORM_METHODS = tuple(staticmethod(f) for f in (free_storage, alloc_storage, untracked, swap_parameter,
-                                                    register_multi_grad_hook, is_autograd_leaf,
-                                                    queue_backward_callback))
+                                                   register_multi_grad_hook, is_autograd_leaf,
+                                                   queue_backward_callback))

@@ -5,6 +5,7 @@ dispatch mode counts the bytes of every storage created inside the region for as
 storage lives (torch keeps a storage's Python object alive while any tensor, view or saved tensor
 uses it).
 """
+from typing import Any
 import weakref
 
 import torch
@@ -41,7 +42,7 @@ class _LiveBytes(TorchDispatchMode):
 class PeakMemory:
     """``with PeakMemory(device_type) as m: ...`` then ``m.peak_bytes``."""
 
-    def __init__(self, device_type):
+    def __init__(self, device_type: Any) -> None:
         self.device_type = device_type
         self.peak_bytes = 0
 

@@ -4,10 +4,11 @@ Several torch spellings reach one rule (``torch.matmul``, ``Tensor.matmul``, ``T
 and ``torch.mm`` all mean "matmul"). In-place methods are deliberately absent: they stay on the
 aten path where autograd tracks them on the DTensor itself.
 """
+from typing import Any, Dict, List
 import torch
 import torch.nn.functional as F
 
-_EXPLICIT = {
+_EXPLICIT: Dict[str, List[Any]] = {
     "matmul": [torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm,
                torch.bmm, torch.Tensor.bmm, torch.mv, torch.Tensor.mv],
     "addmm": [torch.addmm, torch.Tensor.addmm],
@@ -95,7 +96,7 @@ def _pointwise_names():
     return names
 
 
-def build_op_names():
+def build_op_names() -> Any:
     table = {}
     for name in _pointwise_names():
         for namespace in (torch, torch.Tensor, F, torch.special):

@@ -15,6 +15,7 @@ candidates alike and makes the same choice. ``python -m benchmarks.cp_attention 
 PATH`` writes the same numbers to a JSON file that ``ContextParallel(mode="auto", calibration=PATH)``
 (or ``HP_CP_CALIBRATION=PATH``) reads instead of measuring.
 """
+from typing import Any
 import json
 import math
 import os
@@ -50,7 +51,7 @@ class Machine:
     # groups it uses: kind all_to_all (dim ds) or all_gather / reduce_scatter (dim co), size its ranks
     collectives: tuple = ()
 
-    def rate(self, kind, dim, size):
+    def rate(self, kind: Any, dim: Any, size: Any) -> Any:
         """(seconds per byte a rank sends, seconds per call) of ``kind`` on a ``dim`` group of ``size``
         ranks: measured where calibrated, else the pair's all-reduce numbers."""
         for key, per_byte, latency in self.collectives:
@@ -58,17 +59,17 @@ class Machine:
                 return per_byte, latency
         return 1.0 / self.bandwidth(dim), self.latency(dim)
 
-    def overhead(self, family):
+    def overhead(self, family: Any) -> Any:
         found = dict(self.overheads)
         return found.get(family, max(found.values()) if found else 0.0)
 
-    def bandwidth(self, dim):
+    def bandwidth(self, dim: Any) -> Any:
         return self.ds_bandwidth if dim == "ds" else self.co_bandwidth
 
-    def latency(self, dim):
+    def latency(self, dim: Any) -> Any:
         return self.ds_latency if dim == "ds" else self.co_latency
 
-    def save(self, path):
+    def save(self, path: Any) -> None:
         values = asdict(self)
         values["overheads"] = dict(self.overheads)
         values["collectives"] = {key: [per_byte, latency] for key, per_byte, latency in self.collectives}
@@ -76,7 +77,7 @@ class Machine:
             json.dump(values, f, indent=1)
 
     @classmethod
-    def load(cls, path):
+    def load(cls, path: Any) -> Any:
         """The numbers of a file ``save`` wrote; ValueError naming the file and the field for anything
         missing, not a number, NaN, infinite or out of range (a zero bandwidth would divide by zero,
         a NaN would rank every mode alike)."""
@@ -144,7 +145,7 @@ def _table(path, field, table, width):
     return out
 
 
-def machine_for(mesh, path=None, make_style=None):
+def machine_for(mesh: Any, path: Any = None, make_style: Any = None) -> Any:
     """The calibration of ``mesh``: from ``path`` / $HP_CP_CALIBRATION, else measured once
     (``make_style(**mode_kwargs)``: a fixed-mode ContextParallel, for the modes' overheads)."""
     path = path or os.environ.get(ENV)
@@ -194,7 +195,7 @@ def _groups(mesh):
     return sub.get_group("ds"), sub.get_group("co")
 
 
-def measure(mesh, nbytes=1 << 22, make_style=None):
+def measure(mesh: Any, nbytes: Any = 1 << 22, make_style: Any = None) -> Any:
     """Measure on every rank, then take the slowest rank's numbers everywhere (one all-reduce)."""
     platform = get_platform()
     families = _families(mesh.size()) if make_style is not None else []

@@ -10,6 +10,7 @@ runs first), so a rank that disagrees raises on every rank instead of choosing a
 waiting in another collective. ``style.last_choice`` says what was chosen
 and every candidate's predicted time; the first choice of each signature is also logged.
 """
+from typing import Any
 import logging
 import os
 import zlib
@@ -39,11 +40,11 @@ class Choice:
     over_budget: list = field(default_factory=list)         # candidates refused by memory_budget
 
     def __str__(self):
-        times = ", ".join(f"{n} {s * 1e3:.3g} ms" for n, s in sorted(self.predicted_seconds.items(),
-                                                                    key=lambda kv: kv[1]))
+        times = ", ".join(f"{n} {s * 1e3:.3g} ms"
+                          for n, s in sorted(self.predicted_seconds.items(), key=lambda kv: kv[1]))
         over = f"; over memory_budget: {', '.join(self.over_budget)}" if self.over_budget else ""
-        timed = ", ".join(f"{n} {s * 1e3:.3g} ms" for n, s in sorted(self.measured_seconds.items(),
-                                                                    key=lambda kv: kv[1]))
+        timed = ", ".join(f"{n} {s * 1e3:.3g} ms"
+                          for n, s in sorted(self.measured_seconds.items(), key=lambda kv: kv[1]))
         timed = f"; timed fwd+bwd: {timed}" if timed else ""
         return f"chose {self.mode} ({self.kwargs}); predicted fwd+bwd: {times}{timed}{over}"
 
@@ -60,7 +61,7 @@ def _file_digest(path):
         return zlib.crc32(f.read())
 
 
-def call_shape(style, qkv, cp, causal):
+def call_shape(style: Any, qkv: Any, cp: Any, causal: Any) -> Any:
     raw = [t.to_local() if isinstance(t, DTensor) else t for t in qkv]
     seq, head = normalise_dims(style, [t.ndim for t in raw])
     q, k, v = raw
@@ -77,12 +78,12 @@ def call_shape(style, qkv, cp, causal):
 class AutoMode:
     """One ContextParallel(mode="auto") style's choices and the sub-styles that run them."""
 
-    def __init__(self, style):
+    def __init__(self, style: Any) -> None:
         self.style = style
         self._chosen = BoundedCache(256)    # signature -> (Choice, sub-style, its mesh)
-        self._styles = {}                   # candidate -> (sub-style, its mesh)
+        self._styles: dict[Any, Any] = {}                   # candidate -> (sub-style, its mesh)
 
-    def resolve(self, mesh, qkv):
+    def resolve(self, mesh: Any, qkv: Any) -> Any:
         """(sub-style, its mesh) for this call, choosing on a new signature."""
         raw = [t.to_local() if isinstance(t, DTensor) else t for t in qkv]
         key = (mesh.to_hash(), active_masks() is not None,

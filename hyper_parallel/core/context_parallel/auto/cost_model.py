@@ -24,6 +24,7 @@ time = compute + communication, per rank, on the slowest rank:
 Candidates that cannot run are never offered: q heads the Ulysses degree does not divide, an odd
 local length with load balancing, q and k/v of different lengths in the ring.
 """
+from typing import Any
 from dataclasses import dataclass
 
 
@@ -47,12 +48,12 @@ class Candidate:
     kv_exchange: str
     load_balance: bool
 
-    def kwargs(self):
+    def kwargs(self) -> Any:
         return {"ulysses_degree": self.ulysses_degree, "kv_exchange": self.kv_exchange,
                 "load_balance": self.load_balance}
 
 
-def candidates(shape, cp):
+def candidates(shape: Any, cp: Any) -> Any:
     """Every mode that can run this call on ``cp`` ranks."""
     out = []
     local = shape.q_len // cp
@@ -127,7 +128,7 @@ def _lcm(a, b):
     return a * b // math.gcd(a, b)
 
 
-def predict(shape, cp, candidate, machine):
+def predict(shape: Any, cp: Any, candidate: Any, machine: Any) -> Any:
     """(seconds, bytes of k/v held per rank) for one forward + backward of the call."""
     compute = _compute_seconds(shape, cp, candidate, machine)
     u_time, g_time = _communication_seconds(shape, cp, candidate, machine)
@@ -138,7 +139,7 @@ def predict(shape, cp, candidate, machine):
     return seconds + machine.overhead(family(candidate)), _held_bytes(shape, cp, candidate)
 
 
-def family(candidate):
+def family(candidate: Any) -> Any:
     """The candidate's name without its Ulysses degree (the calibration times one per family)."""
     return candidate.name.split("(")[0]
 

@@ -15,7 +15,7 @@ per mesh and signature, so the layers of a model that share a shape tune once.
 import contextlib
 import statistics
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 from hyper_parallel.core.bounded_cache import BoundedCache
 from hyper_parallel.core.context_parallel.masks import attention_masks
@@ -38,14 +38,14 @@ def outside_user_state() -> Iterator[None]:
         yield
 
 
-def shortlist(predicted):
+def shortlist(predicted: Any) -> Any:
     """The candidate names worth timing, best predicted first (one name: nothing to time)."""
     ranked = sorted(predicted, key=lambda name: (predicted[name], name))
     best = predicted[ranked[0]]
     return [name for name in ranked[:SHORTLIST] if predicted[name] <= MARGIN * best]
 
 
-def timed_seconds(key, mesh, qkv, dims, causal, runners):
+def timed_seconds(key: Any, mesh: Any, qkv: Any, dims: Any, causal: Any, runners: Any) -> Any:
     """{name: measured seconds of a forward + backward} of each ``runners`` entry (name -> (fixed-mode
     style, its mesh)), the slowest rank's; cached under ``key``."""
     found = _TIMED.get(key)
@@ -85,7 +85,7 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def stand_in(dims, causal, qkv):
+def stand_in(dims: Any, causal: Any, qkv: Any) -> Any:
     """call(q, k, v): scaled dot-product attention on q/k/v laid out as the caller's (``dims`` =
     (seq, head); the last dim is the head dim, the others batch), its output in the same layout."""
     seq, head = dims

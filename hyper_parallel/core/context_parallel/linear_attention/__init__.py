@@ -10,5 +10,5 @@ from hyper_parallel.core.context_parallel.linear_attention.delta_rule import con
 from hyper_parallel.core.context_parallel.linear_attention.functional import causal_conv1d, delta_rule
 from hyper_parallel.core.context_parallel.linear_attention.style import LinearAttentionContextParallel
 
-__all__ = ["LinearAttentionContextParallel", "causal_conv1d", "chunk_delta_rule", "context_parallel_causal_conv1d",
-           "context_parallel_delta_rule", "delta_rule"]
+__all__ = ["LinearAttentionContextParallel", "causal_conv1d", "chunk_delta_rule",
+           "context_parallel_causal_conv1d", "context_parallel_delta_rule", "delta_rule"]

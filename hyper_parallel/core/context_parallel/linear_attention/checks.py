@@ -4,6 +4,7 @@ Every check reads only this rank's arguments, whose shapes CP ranks share (a ran
 from another's in length only), so each raises the same ValueError on every rank before the first
 collective. Messages name the offending value and the fix.
 """
+from typing import Any
 MODES = ("allgather", "p2p")
 
 
@@ -13,7 +14,8 @@ def _dims(name, x, want):
                          f"{', dim' if want == 4 else ''}) per token")
 
 
-def check_delta_rule(q, k, v, g, beta, mode, chunk_size, initial_state):
+def check_delta_rule(q: Any, k: Any, v: Any, g: Any, beta: Any, mode: Any, chunk_size: Any,
+                     initial_state: Any) -> None:
     if mode not in MODES:
         raise ValueError(f"delta rule: mode={mode!r} is not one of {MODES}; pass 'allgather' (one "
                          "all-gather of the block summaries) or 'p2p' (states passed rank to rank)")
@@ -25,8 +27,10 @@ def check_delta_rule(q, k, v, g, beta, mode, chunk_size, initial_state):
     b, t, h_k, d_k = k.shape
     h_v = v.shape[2]
     if tuple(q.shape) != tuple(k.shape) or v.shape[:2] != k.shape[:2] or h_v % h_k:
-        raise ValueError(f"delta rule: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit: q "
-                         "and k must match and v's value heads must be a multiple of k's heads, same batch and seq")
+        raise ValueError(f"delta rule: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not "
+                         "fit: q "
+                         "and k must match and v's value heads must be a multiple of k's heads, same batch "
+                         "and seq")
     gates = ((b, t, h_v), (b, t, h_v, d_k))
     if tuple(g.shape) not in gates or tuple(beta.shape) != gates[0]:
         raise ValueError(f"delta rule: g {tuple(g.shape)} / beta {tuple(beta.shape)}; pass g as {gates[0]} "
@@ -37,7 +41,7 @@ def check_delta_rule(q, k, v, g, beta, mode, chunk_size, initial_state):
                          "(batch, value heads, d_k, d_v), the same on every rank, or None")
 
 
-def check_conv(x, weight, kernel, local_length):
+def check_conv(x: Any, weight: Any, kernel: Any, local_length: Any) -> None:
     if weight.dim() != 2 or weight.shape[0] != x.shape[1]:
         raise ValueError(f"causal conv: weight {tuple(weight.shape)} for input {tuple(x.shape)}; pass the "
                          "depthwise weight as (channels, kernel) with x as (batch, channels, seq)")
@@ -57,7 +61,8 @@ def _without_seq(x):
     return (str(x.dtype),) + shape[:1] + shape[2:]
 
 
-def agree_delta_rule(group, q, k, v, g, beta, mode, chunk_size, initial_state, use_qk_l2norm, scale):
+def agree_delta_rule(group: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, mode: Any, chunk_size: Any,
+                     initial_state: Any, use_qk_l2norm: Any, scale: Any) -> None:
     """ValueError on every CP rank unless every rank runs the delta rule alike (one small message at
     the first call of each combination; core/agreement.py). Before the per-rank checks: a rank whose
     arguments alone are invalid would raise alone and leave its peers in the state exchange."""
@@ -68,14 +73,25 @@ def agree_delta_rule(group, q, k, v, g, beta, mode, chunk_size, initial_state, u
                 "initial_state contents": Deferred(lambda: tensor_digest(initial_state)),
                 "q/k/v/g/beta (dtype, batch, heads, dims)": tuple(map(_without_seq, (q, k, v, g, beta))),
                 "grad mode (is_grad_enabled)": bool(get_platform().is_grad_enabled())}
-    check_agreement(group, "linear attention (delta rule)", settings, fix=_FIX)
+    check_agreement(group, "linear attention (delta rule)", settings, signature=("delta rule", _site()),
+                    fix=_FIX)
 
 
-def agree_conv(group, x, weight, bias):
+def agree_conv(group: Any, x: Any, weight: Any, bias: Any) -> None:
     """The causal convolution's halo exchange needs one kernel, and a long enough block, everywhere."""
     from hyper_parallel.core.agreement import check_agreement
     kernel = int(weight.shape[-1]) if weight.dim() else 0
     settings = {"weight": weight, "bias": bias,
                 "x (dtype, batch, channels)": (str(x.dtype),) + tuple(int(s) for s in x.shape[:-1]),
                 "block holds the kernel's halo": int(x.shape[-1]) >= kernel - 1}
-    check_agreement(group, "linear attention (causal conv)", settings, fix=_FIX)
+    check_agreement(group, "linear attention (causal conv)", settings, signature=("causal conv", _site()),
+                    fix=_FIX)
+
+
+def _site() -> Any:
+    """The parallelized module whose forward makes the call (functional.running), or None for a
+    direct call: a call site's checks remember its previous settings (core/agreement.py), so a
+    rank that changes one alone after steady state checks again."""
+    from hyper_parallel.core.context_parallel.linear_attention.functional import active
+    cp = active()
+    return None if cp is None else cp[2]

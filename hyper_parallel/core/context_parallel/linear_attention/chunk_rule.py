@@ -15,6 +15,7 @@ columns and the incoming state [0 | I]; the first d_v columns are the block's ou
 state from a zero state, the last d_k columns are Q̃ (o_t = o_t(0) + Q̃_t · S_in) and
 M (S_out = M · S_in + S_out(0)).
 """
+from typing import Any
 from dataclasses import dataclass
 
 from hyper_parallel.platform import get_platform
@@ -34,11 +35,11 @@ class Chunks:
     length: int        # tokens before the chunk padding
 
 
-def l2_normalise(x):
+def l2_normalise(x: Any) -> Any:
     return x * ((x * x).sum(dim=-1, keepdim=True) + L2_EPS).rsqrt()
 
 
-def to_heads_first(q, k, v, g, beta, use_qk_l2norm, scale):
+def to_heads_first(q: Any, k: Any, v: Any, g: Any, beta: Any, use_qk_l2norm: Any, scale: Any) -> Any:
     """(b, t, h, d) inputs -> (b, h, t, d) in the compute dtype; GQA k heads repeated, q scaled."""
     platform = get_platform()
     dtype = platform.compute_dtype(v.dtype)
@@ -84,7 +85,7 @@ def _intra_products(q, k, k_beta, cum_g, per_channel, above):
     return (k_beta @ k.transpose(-1, -2)) * decay, (q @ k.transpose(-1, -2)) * decay
 
 
-def chunk_block(q, k, v, g, beta, chunk):
+def chunk_block(q: Any, k: Any, v: Any, g: Any, beta: Any, chunk: Any) -> Any:
     """Chunks of one block given in heads-first layout (``to_heads_first``)."""
     platform = get_platform()
     per_channel = g.dim() == q.dim()
@@ -104,7 +105,7 @@ def chunk_block(q, k, v, g, beta, chunk):
                   k_decayed=k * (last - g_tok).exp(), intra=intra, decay=decay, length=length)
 
 
-def scan(chunks, state):
+def scan(chunks: Any, state: Any) -> Any:
     """(output (b, h, t, width), final state) of the chunks from ``state`` (b, h, d_k, width).
     ``width`` may exceed d_v: extra state columns see zero values (``block_summary``)."""
     platform = get_platform()
@@ -121,7 +122,8 @@ def scan(chunks, state):
     return out[:, :, :chunks.length], state
 
 
-def chunk_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size=64, use_qk_l2norm=True, scale=None):
+def chunk_delta_rule(q: Any, k: Any, v: Any, g: Any, beta: Any, initial_state: Any = None,
+                     chunk_size: int = 64, use_qk_l2norm: bool = True, scale: Any = None) -> Any:
     """The single-device rule: (output (b, t, h_v, d_v) in v's dtype, final state (b, h_v, d_k, d_v)).
 
     q, k: (b, t, h_k, d_k); v: (b, t, h_v, d_v); g: (b, t, h_v) log-decay per head (GDN) or
@@ -137,7 +139,8 @@ def chunk_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size=64, use_qk
     return out.transpose(1, 2).to(v.dtype).contiguous(), state
 
 
-def block_summary(q, k, v, g, beta, chunk_size, use_qk_l2norm=True, scale=None):
+def block_summary(q: Any, k: Any, v: Any, g: Any, beta: Any, chunk_size: Any, use_qk_l2norm: bool = True,
+                  scale: Any = None) -> Any:
     """One pass over this rank's block from the state [0 | I]:
     (o0 (b, h, t, d_v), Q̃ (b, h, t, d_k), S0 (b, h, d_k, d_v), M (b, h, d_k, d_k)), all heads-first."""
     platform = get_platform()

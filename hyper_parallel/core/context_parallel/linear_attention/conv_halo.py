@@ -5,6 +5,7 @@ needs the last K − 1 input tokens of rank r − 1 (its halo; rank 0's is the z
 single-device convolution). One batched P2P moves every halo at once; in backward the halo's
 gradient goes back to the rank whose tokens it was, in one batched P2P as well.
 """
+from typing import Any
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.context_parallel.linear_attention.checks import agree_conv, check_conv
 from hyper_parallel.core.context_parallel.linear_attention.delta_rule import cp_group
@@ -43,13 +44,13 @@ def _halo_backward(ctx, grad):
 _HALO = lazy_autograd_function("ConvHaloExchange", _halo_forward, _halo_backward)
 
 
-def previous_tokens(x, count, group):
+def previous_tokens(x: Any, count: Any, group: Any) -> Any:
     """The ``count`` tokens (last dim) before this rank's block ``x``: the previous rank's last
     ``count`` (zeros on the first rank); differentiable (its gradient reaches that rank's ``x``)."""
     return _HALO(x[..., x.shape[-1] - count:].contiguous(), cp_group(group))
 
 
-def context_parallel_causal_conv1d(x, weight, bias, group):
+def context_parallel_causal_conv1d(x: Any, weight: Any, bias: Any, group: Any) -> Any:
     """This rank's block of a depthwise causal conv1d (F.conv1d with groups=channels and K − 1 left
     padding, cropped to the sequence): x (batch, channels, t_local), weight (channels, K), bias
     (channels,) or None. Activation is the caller's."""

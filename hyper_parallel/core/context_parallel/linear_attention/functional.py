@@ -5,6 +5,7 @@ Written as single-device code, they run on the whole sequence; inside the forwar
 with the exact incoming state and the convolution's halo, over that module's CP group. The module
 needs no other change: everything else in a GDN / KDA layer is token-local.
 """
+from typing import Any, Iterator
 import contextlib
 
 from hyper_parallel.core.arguments import check_delta_rule_numbers
@@ -15,25 +16,27 @@ from hyper_parallel.core.context_parallel.linear_attention.delta_rule import (
     context_parallel_delta_rule, cp_group)
 from hyper_parallel.platform import get_platform
 
-_ACTIVE = []   # (group, mode) of the parallelized forwards running now, innermost last
+_ACTIVE: list[Any] = []   # (group, mode, site) of the parallelized forwards running now, innermost last
 
 
 @contextlib.contextmanager
-def running(group, mode):
-    """The calls inside run on ``group``'s blocks in state mode ``mode`` (style.py enters it)."""
-    _ACTIVE.append((group, mode))
+def running(group: Any, mode: Any, site: Any = None) -> Iterator[None]:
+    """The calls inside run on ``group``'s blocks in state mode ``mode`` (style.py enters it);
+    ``site`` names the parallelized module for the ranks' agreement checks (checks.py)."""
+    _ACTIVE.append((group, mode, site))
     try:
         yield
     finally:
         _ACTIVE.pop()
 
 
-def active():
-    """(group, mode) of the innermost parallelized forward running, or None."""
+def active() -> Any:
+    """(group, mode, site) of the innermost parallelized forward running, or None."""
     return _ACTIVE[-1] if _ACTIVE else None
 
 
-def delta_rule(q, k, v, g, beta, initial_state=None, chunk_size=64, use_qk_l2norm=True, scale=None):
+def delta_rule(q: Any, k: Any, v: Any, g: Any, beta: Any, initial_state: Any = None, chunk_size: int = 64,
+               use_qk_l2norm: bool = True, scale: Any = None) -> Any:
     """The gated delta rule's output (b, t, h_v, d_v): q, k (b, t, h_k, d_k); v (b, t, h_v, d_v);
     g (b, t, h_v) log-decay per head (GDN) or (b, t, h_v, d_k) per channel (KDA); beta (b, t, h_v).
     Under ``LinearAttentionContextParallel``: this rank's block, exact."""
@@ -48,7 +51,7 @@ def delta_rule(q, k, v, g, beta, initial_state=None, chunk_size=64, use_qk_l2nor
                                        chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm, scale=scale)
 
 
-def causal_conv1d(x, weight, bias=None):
+def causal_conv1d(x: Any, weight: Any, bias: Any = None) -> Any:
     """Depthwise causal convolution: x (b, channels, t), weight (channels, kernel), bias (channels,)
     or None; output (b, channels, t). Under ``LinearAttentionContextParallel``: this rank's block."""
     cp = active()

@@ -15,6 +15,7 @@ p2p d_k · d_v per hop. Neither depends on the sequence length.
 The initial state is the same on every rank; its gradient is summed over the ranks (one
 all-reduce in backward, only when it requires grad), so every rank holds the whole gradient.
 """
+from typing import Any
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.platform import get_platform
 
@@ -105,7 +106,7 @@ _P2P = lazy_autograd_function("DeltaRuleStateRelay", _p2p_forward, _p2p_backward
 MODES = {"allgather": _ALLGATHER, "p2p": _P2P}
 
 
-def incoming_state(mode, m, s, initial, group):
+def incoming_state(mode: Any, m: Any, s: Any, initial: Any, group: Any) -> Any:
     """The state entering this rank's block (differentiable in m, s and ``initial``)."""
     needs = get_platform().requires_grad(initial)
     return MODES[mode](m, s, initial, group, needs)

@@ -24,6 +24,7 @@ passes the same tensors (O(B·S) integers, no S×S). Pass them on the CPU: the p
 A query row with no visible key gives 0 and zero gradients, as torch's scaled_dot_product_attention
 gives for a fully masked row on one device.
 """
+from typing import Any, Iterator
 import contextlib
 import contextvars
 from dataclasses import dataclass
@@ -32,17 +33,17 @@ from hyper_parallel.core.arguments import check_int
 from hyper_parallel.platform import get_platform
 
 DEFAULT_BLOCK = 256
-_active = contextvars.ContextVar("hp_cp_attention_masks", default=None)
+_active: contextvars.ContextVar[Any] = contextvars.ContextVar("hp_cp_attention_masks", default=None)
 
 
 @dataclass(frozen=True)
 class AttentionMasks:
-    document_ids: object = None   # (B, S) integer tensor, or None
-    padding: object = None        # (B, S) bool tensor (True: may be attended), or None
+    document_ids: Any = None   # (B, S) integer tensor, or None
+    padding: Any = None        # (B, S) bool tensor (True: may be attended), or None
     block_size: int = DEFAULT_BLOCK
 
     @property
-    def batch_and_length(self):
+    def batch_and_length(self) -> Any:
         t = self.document_ids if self.document_ids is not None else self.padding
         return tuple(t.shape)
 
@@ -79,8 +80,8 @@ def _ids_from_cu_seqlens(cu_seqlens, padding, document_ids):
 
 
 @contextlib.contextmanager
-def attention_masks(document_ids=None, cu_seqlens=None, padding_mask=None, batch=None,
-                    block_size=DEFAULT_BLOCK):
+def attention_masks(document_ids: Any = None, cu_seqlens: Any = None, padding_mask: Any = None,
+                    batch: Any = None, block_size: Any = DEFAULT_BLOCK) -> Iterator[Any]:
     """Apply packed-document and/or padding masks to every ContextParallel attention call inside.
 
     ``batch`` is needed only with ``cu_seqlens`` and no ``padding_mask`` (to fold the B·S tokens
@@ -112,12 +113,12 @@ def attention_masks(document_ids=None, cu_seqlens=None, padding_mask=None, batch
         _active.reset(token)
 
 
-def active_masks():
+def active_masks() -> Any:
     """The masks of the innermost ``attention_masks`` context, or None."""
     return _active.get()
 
 
-def check_masks(masks, batch, seq_len, kv_len):
+def check_masks(masks: Any, batch: Any, seq_len: Any, kv_len: Any) -> None:
     """ValueError (on every rank alike: the masks are the same everywhere) unless the masks cover
     the global (batch, seq) of this call."""
     if kv_len != seq_len:

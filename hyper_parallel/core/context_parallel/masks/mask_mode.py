@@ -8,6 +8,7 @@ rank holds is read from the DTensor layouts at that point (q: a sequence block, 
 or everything; k/v: the whole sequence), so one interceptor serves every mode. The batch rows come
 from the layouts too (a batch split elsewhere in the mesh slices the masks alike).
 """
+from typing import Any
 from hyper_parallel.core.agreement_attention import agree_on_attention
 from hyper_parallel.core.attention.block_masks import Span
 from hyper_parallel.core.attention.masked_attention import masked_attention
@@ -22,7 +23,7 @@ PASS_THROUGH = frozenset({"transpose", "permute", "movedim", "t", "view", "ident
 CONSUMERS = frozenset({"sdpa", "attention", "npu_fusion_attention"})
 
 
-def check_call(call, kernel):
+def check_call(call: Any, kernel: Any) -> None:
     """ValueError unless the sdpa call can take the masks: no explicit mask, no dropout, 4-D."""
     if call.arg(3, "attn_mask") is not None:
         raise ValueError(f"attention_masks: the module also passes attn_mask to {kernel}; give the padding / "
@@ -36,7 +37,7 @@ def check_call(call, kernel):
                          f"(batch, heads, seq, dim)")
 
 
-def refusal(name, mode):
+def refusal(name: str, mode: Any) -> Any:
     return ValueError(f"ContextParallel with attention_masks ({mode}): q/k/v reach '{name}', but the "
                       f"masks are applied only by F.scaled_dot_product_attention; write the attention with "
                       f"it")
@@ -46,12 +47,12 @@ class MaskInterceptor(SeqTracking, Interceptor):
     pass_through = PASS_THROUGH
     consumers = CONSUMERS
 
-    def __init__(self, masks):
+    def __init__(self, masks: Any) -> None:
         super().__init__()
         self.masks = masks
         self.used = False
 
-    def strategy(self, call):
+    def strategy(self, call: Any) -> Any:
         self.check_kernel(call)   # seq_dim must reach the kernel's sequence dim (core/attention/roles.py)
         if call.name not in ("sdpa", "attention"):
             raise ValueError("attention_masks with npu_fusion_attention under ContextParallel is not "
@@ -86,11 +87,11 @@ class MaskInterceptor(SeqTracking, Interceptor):
             inputs[call.index(t)] = s.placements
         return OpStrategy(inputs=inputs, outputs=specs[0].placements, local=local)
 
-    def refusal(self, name):
+    def refusal(self, name: str) -> Any:
         return refusal(name, "Ulysses / all-gather")
 
 
-def with_masks(masks, call, seq=None, label="ContextParallel"):
+def with_masks(masks: Any, call: Any, seq: Any = None, label: str = "ContextParallel") -> Any:
     """``call`` (q, k, v DTensors → module output) with the masks applied at its attention op
     (q, k, v's sequence at dim ``seq``, checked there)."""
     def masked_call(q, k, v):

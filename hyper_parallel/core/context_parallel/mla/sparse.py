@@ -10,10 +10,12 @@ selects on one device. The attention is then dense over the gathered K/V with th
 visible ∧ selected, as transformers' eager/sdpa path does on one device: each rank computes its
 L rows against all S keys, the same work on every rank (so load balancing has nothing to move).
 """
+from typing import Any
 from hyper_parallel.platform import get_platform
 
 
-def visible_keys(batch, row_start, rows, total, masks=None, device=None):
+def visible_keys(batch: Any, row_start: Any, rows: Any, total: Any, masks: Any = None,
+                 device: Any = None) -> Any:
     """Boolean (batch, rows, total): query row_start + i may see key j (causal by global position,
     and ``masks``, the AttentionMasks of the global sequence: padding, packed documents)."""
     platform = get_platform()
@@ -31,14 +33,14 @@ def visible_keys(batch, row_start, rows, total, masks=None, device=None):
     return allowed
 
 
-def selected_keys(indices, total):
+def selected_keys(indices: Any, total: Any) -> Any:
     """Boolean (B, L, ``total``): True at the keys ``indices`` (B, L, k) name, the top-k each query
     row chose over the global keys."""
     shape = tuple(indices.shape[:-1]) + (total,)
     return indices.new_zeros(shape).bool().scatter(-1, indices.long(), True)
 
 
-def sparse_attention(q, k, v, allowed, selected, scale):
+def sparse_attention(q: Any, k: Any, v: Any, allowed: Any, selected: Any, scale: Any) -> Any:
     """Attention of local rows ``q`` (B, H, L, D) over the gathered ``k``, ``v`` (B, H, S, D) on the
     keys both ``allowed`` and ``selected`` (B, L, S); output (B, H, L, Dv)."""
     mask = (allowed & selected).unsqueeze(1)

@@ -6,6 +6,7 @@ queries contribute a share of the gathered K/V's gradient, which the all-gather'
 reduce-scatter) sums exactly once. ``run`` moves DTensors now; ``start`` launches through the
 platform's split collectives and returns ``finish`` (overlap).
 """
+from typing import Any
 from hyper_parallel.core.context_parallel.movement.steps import Block, shared_step
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Partial
@@ -17,12 +18,13 @@ class KVAllGather:
 
     __slots__ = ("mesh", "indices", "mesh_dim", "dim", "targets")
 
-    def __init__(self, mesh, indices, step, targets):
+    def __init__(self, mesh: Any, indices: Any, step: Any, targets: Any) -> None:
         self.mesh, self.indices, self.mesh_dim, self.dim = mesh, tuple(indices), step.mesh_dim, step.dim
         self.targets = [tuple(t) for t in targets]
 
     @classmethod
-    def plan(cls, mesh, shapes, sources, targets, dtypes, indices=(1, 2)):
+    def plan(cls, mesh: Any, shapes: Any, sources: Any, targets: Any, dtypes: Any,
+             indices: Any = (1, 2)) -> Any:
         """The gather of the tensors at ``indices`` (global ``shapes``, ``sources`` -> ``targets``,
         ``dtypes``, all indexed like q, k, v), or None where it is not one shared even all-gather of
         tensors of one shape and dtype."""
@@ -40,7 +42,7 @@ class KVAllGather:
     def _stacked(self, locals_):
         return get_platform().cat([t.unsqueeze(0) for t in locals_], 0)
 
-    def run(self, dts):
+    def run(self, dts: Any) -> Any:
         """The moved DTensors (for ``dts``, the DTensors at ``indices``), one differentiable all-gather."""
         if len({tuple(dt.to_local().shape) for dt in dts}) != 1:
             return [dt.redistribute(placements=p) for dt, p in zip(dts, self.targets)]
@@ -49,7 +51,7 @@ class KVAllGather:
         return [DTensor.from_local(gathered[i], self.mesh, p, shape=dt.shape, grad_placements=self._grads(p))
                 for i, (dt, p) in enumerate(zip(dts, self.targets))]
 
-    def start(self, blocks, observer=None):
+    def start(self, blocks: Any, observer: Any = None) -> Any:
         """Launch the gather of ``blocks[i]`` for i in ``indices``; returns ``finish`` -> all blocks."""
         stacked = self._stacked([blocks[i].local for i in self.indices])
         pending = get_platform().start_differentiable_collective(

@@ -33,6 +33,8 @@
    always correct. What to do for a signature is decided once and cached (``_Moves``), so a
    steady-state call only runs the moves.
 """
+from typing import Any
+
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.bounded_cache import BoundedCache
 from hyper_parallel.core.context_parallel.movement.kv_all_gather import KVAllGather
@@ -57,7 +59,7 @@ def _non_shard(placements):
 _INPUT = BoundedCache(4096)
 
 
-def input_placements(mesh, ndim, seq_dim, cp_dims, other=None):
+def input_placements(mesh: Any, ndim: Any, seq_dim: Any, cp_dims: Any, other: Any = None) -> Any:
     """Contiguous sequence blocks over ``cp_dims`` (outer first), plus ``other`` placements.
     Cached per arguments (every ContextParallel call asks, with the same few each step)."""
     key = (id(mesh), ndim, seq_dim, tuple(cp_dims), None if other is None else tuple(other))
@@ -76,7 +78,8 @@ def _input_placements(mesh, ndim, seq_dim, cp_dims, other):
     return placements_from_orders(orders, _non_shard(placements), mesh.mesh_shape)
 
 
-def mode_placements(placements, mesh, ndim, seq_dim, head_dim, ulysses_dims, gather_dims):
+def mode_placements(placements: Any, mesh: Any, ndim: Any, seq_dim: Any, head_dim: Any, ulysses_dims: Any,
+                    gather_dims: Any) -> Any:
     """(q placements, k/v placements) for attention: ``ulysses_dims`` move from the sequence to the
     heads (innermost), then K/V are replicated over ``gather_dims``."""
     orders = _orders(placements, mesh, ndim)
@@ -95,7 +98,7 @@ def mode_placements(placements, mesh, ndim, seq_dim, head_dim, ulysses_dims, gat
     return q, kv
 
 
-def seq_split(placements, seq_dim):
+def seq_split(placements: Any, seq_dim: Any) -> Any:
     return [m for m, p in enumerate(placements) if p.is_shard(seq_dim)]
 
 
@@ -134,7 +137,7 @@ class QKVAllToAll:
 
     __slots__ = ("mesh", "indices", "group", "n", "seq", "head", "widths", "targets", "specs", "grad_specs")
 
-    def __init__(self, mesh, indices, step, widths, targets, shapes):
+    def __init__(self, mesh: Any, indices: Any, step: Any, widths: Any, targets: Any, shapes: Any) -> None:
         self.mesh, self.indices = mesh, tuple(indices)
         self.group, self.n = mesh.get_group(step.mesh_dim), mesh.mesh_shape[step.mesh_dim]
         self.seq, self.head = step.dim, step.new_dim
@@ -143,7 +146,8 @@ class QKVAllToAll:
         self.grad_specs = tuple(s.with_placements(grad_placements(s.placements)) for s in self.specs)
 
     @classmethod
-    def plan(cls, mesh, shapes, sources, targets, local_shapes, dtypes, indices=(0, 1, 2)):
+    def plan(cls, mesh: Any, shapes: Any, sources: Any, targets: Any, local_shapes: Any, dtypes: Any,
+             indices: Any = (0, 1, 2)) -> Any:
         """The move of the tensors at ``indices`` (global ``shapes``, ``sources`` -> ``targets``,
         this rank's ``local_shapes`` and ``dtypes``, all indexed like q, k, v), or None where it is
         not one even sequence -> heads all-to-all of blocks of one dtype equal but in heads."""
@@ -157,14 +161,14 @@ class QKVAllToAll:
             return None
         return cls(mesh, indices, step, [s[step.new_dim] // n for s in local], pick(targets), pick(shapes))
 
-    def run(self, locals_):
+    def run(self, locals_: Any) -> Any:
         """The moved tensors' DTensors (one differentiable all-to-all)."""
         platform = get_platform()
         if not (platform.is_grad_enabled() and any(platform.requires_grad(t) for t in locals_)):
             return list(_forward(_NoCtx(), self, *locals_))   # nothing to record: no autograd node
         return list(_FUNCTION(self, *locals_))
 
-    def start(self, blocks, observer=None):
+    def start(self, blocks: Any, observer: Any = None) -> Any:
         """Launch the move of ``blocks[i]`` for i in ``indices``; returns ``finish`` -> all blocks."""
         platform = get_platform()
         split = self.head
@@ -271,7 +275,8 @@ def _gather_kv(dts, targets):
     return [dt.redistribute(placements=p) for dt, p in zip(dts, targets)]
 
 
-def mode_dtensors(mesh, locals_, placements, shapes, seq, head, ulysses_dims, gather_dims):
+def mode_dtensors(mesh: Any, locals_: Any, placements: Any, shapes: Any, seq: Any, head: Any,
+                  ulysses_dims: Any, gather_dims: Any) -> Any:
     """q, k, v local blocks (this rank's share of global ``shapes`` laid out as ``placements`` on
     ``mesh``, the sequence-split input layout) as DTensors in the mode's layout: the Ulysses
     all-to-all of all three fused into one, then k and v gathered over ``gather_dims`` in one."""
@@ -289,7 +294,7 @@ def mode_dtensors(mesh, locals_, placements, shapes, seq, head, ulysses_dims, ga
     return moved[:1] + _gather_kv(moved[1:], moves.targets[1:])
 
 
-def to_mode(dts, seq, head, ulysses_dims, gather_dims, fuse=True):
+def to_mode(dts: Any, seq: Any, head: Any, ulysses_dims: Any, gather_dims: Any, fuse: bool = True) -> Any:
     """q, k, v DTensors (in their sequence-split input layout) in the mode's layout, fused as
     ``mode_dtensors`` (``fuse=False``: one collective per tensor, so only one tensor's staging
     buffers are alive at a time)."""

@@ -1,12 +1,13 @@
 """The attention output moved back to the caller's sequence split as a split collective (overlap): one
 all-to-all heads -> sequence (nothing to move in the all-gather KV mode; any other plan runs the
 ordinary redistribution, unsplit)."""
+from typing import Any
 from hyper_parallel.core.context_parallel.movement.steps import single_step
 from hyper_parallel.core.context_parallel.output import caller_placements, output_seq_dim
 from hyper_parallel.platform import get_platform
 
 
-def start_output(out, inputs, ulysses_dims, observer=None):
+def start_output(out: Any, inputs: Any, ulysses_dims: Any, observer: Any = None) -> Any:
     """Start moving the attention output ``out`` (a DTensor on the working mesh) to the caller's
     sequence split: (finish -> this rank's local block, the output's seq dim, its placements)."""
     seq = output_seq_dim(out, inputs, ulysses_dims)

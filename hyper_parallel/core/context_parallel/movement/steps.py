@@ -1,12 +1,13 @@
 """What the q/k/v moves share: the one even collective step a move must be, and ``Block``, a tensor
 on its way (no DTensor built until a chunk reaches the attention)."""
+from typing import Any, Optional
 from dataclasses import dataclass
 
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.redistribute import plan_redistribute
 
 
-def single_step(mesh, shape, src, dst, kind):
+def single_step(mesh: Any, shape: Any, src: Any, dst: Any, kind: Any) -> Any:
     """The one even ``kind`` step that moves a ``shape`` tensor from ``src`` to ``dst``, or None."""
     steps = plan_redistribute(mesh, shape, src, dst)
     if len(steps) != 1 or steps[0].kind != kind:
@@ -17,7 +18,7 @@ def single_step(mesh, shape, src, dst, kind):
     return step
 
 
-def shared_step(mesh, shapes, sources, targets, kind):
+def shared_step(mesh: Any, shapes: Any, sources: Any, targets: Any, kind: Any) -> Any:
     """The one step that moves every tensor (global ``shapes``) from ``sources`` to ``targets`` —
     the same collective on the same mesh dim and tensor dims for all — or None."""
     steps = [single_step(mesh, shape, src, dst, kind) for shape, src, dst in zip(shapes, sources, targets)]
@@ -33,8 +34,8 @@ class Block:
     local: object
     placements: tuple
     shape: tuple
-    grads: tuple = None
+    grads: Optional[tuple] = None
 
-    def dtensor(self, mesh):
+    def dtensor(self, mesh: Any) -> Any:
         return DTensor.from_local(self.local, mesh, self.placements, shape=self.shape,
                                   grad_placements=self.grads)

@@ -24,6 +24,7 @@ Not pipelined (run whole, exactly as without overlap): load balancing, the ring 
 own hops), active attention_masks, a q DTensor on another mesh ("other_mesh"), k/v heads the chunks
 cannot split, and layouts the split moves do not cover (uneven blocks, several steps).
 """
+from typing import Any, Iterator, List, Set
 import contextlib
 from dataclasses import replace
 
@@ -34,11 +35,11 @@ from hyper_parallel.core.context_parallel.movement import Block, KVAllGather, QK
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.platform import get_platform
 
-_observers = []
+_observers: list[Any] = []
 
 
 @contextlib.contextmanager
-def observe_pipeline(fn):
+def observe_pipeline(fn: Any) -> Iterator[None]:
     """Within the block, ``fn(stage, chunk, event)`` hears every collective of the pipeline: stage
     "in" (q/k/v moves) or "out"; event "start" / "wait" / "grad_start" / "grad_wait"."""
     _observers.append(fn)
@@ -48,7 +49,7 @@ def observe_pipeline(fn):
         _observers.remove(fn)
 
 
-def pipeline_observer(stage, chunk):
+def pipeline_observer(stage: Any, chunk: Any) -> Any:
     """``fn(event)`` telling every ``observe_pipeline`` listener about (stage, chunk), or None."""
     if not _observers:
         return None
@@ -56,13 +57,13 @@ def pipeline_observer(stage, chunk):
     return lambda event: [fn(stage, chunk, event) for fn in listeners]
 
 
-def pipelinable(style, inputs, masks):
+def pipelinable(style: Any, inputs: Any, masks: Any) -> Any:
     """Whether this call may be pipelined at all (the other modes run whole)."""
     return (style.overlap and style.chunks > 1 and masks is None and not style.load_balance
             and style.kv_exchange != "ring" and inputs.policy != "other_mesh")
 
 
-def chunk_count(style, inputs, ds):
+def chunk_count(style: Any, inputs: Any, ds: Any) -> Any:
     """The number of head chunks (1: not chunkable). Every q, k, v chunk keeps heads divisible by
     the Ulysses degree, and q heads a multiple of k/v heads (GQA groups stay whole)."""
     n = style.chunks
@@ -86,8 +87,9 @@ def _chunks(inputs, n):
 
 
 _STAGES = BoundedCache(256)    # per chunk signature: the stages (they hold no tensors)
-_WHOLE_OUTPUT_SHAPES = BoundedCache(256)    # per (style, call signature): the global shape of the whole call's output (learnt from
-#                a call run whole), or None where the chunk outputs could not be joined: run whole
+# per (style, call signature): the global shape of the whole call's output (learnt from a call run
+# whole), or None where the chunk outputs could not be joined: run whole
+_WHOLE_OUTPUT_SHAPES = BoundedCache(256)
 
 
 def _signature(blocks, inputs, ulysses_dims, gather_dims):
@@ -99,7 +101,7 @@ def _remember(key, shape):
     _WHOLE_OUTPUT_SHAPES[key] = shape
 
 
-def recording(style, inputs, ulysses_dims, gather_dims, call):
+def recording(style: Any, inputs: Any, ulysses_dims: Any, gather_dims: Any, call: Any) -> Any:
     """``call`` for a pipelinable call run whole: the first time for its signature, it also records
     the global shape of the whole output, from which later calls learn where the chunks join."""
     key = (lifetime_key(style), _signature(_whole_blocks(inputs), inputs, ulysses_dims, gather_dims))
@@ -130,8 +132,9 @@ def _new_stages(blocks, inputs, ulysses_dims, gather_dims):
     staged = [mode_placements(b.placements, mesh, ndim, seq, head, ulysses_dims, [])[0] for b in blocks]
     stages = []
     if ulysses_dims:
-        stages.append(QKVAllToAll.plan(mesh, [b.shape for b in blocks], [b.placements for b in blocks], staged,
-                                       [tuple(b.local.shape) for b in blocks], [b.local.dtype for b in blocks]))
+        stages.append(QKVAllToAll.plan(mesh, [b.shape for b in blocks], [b.placements for b in blocks],
+                                       staged, [tuple(b.local.shape) for b in blocks],
+                                       [b.local.dtype for b in blocks]))
     if gather_dims:
         targets = [mode_placements(b.placements, mesh, ndim, seq, head, ulysses_dims, gather_dims)[1]
                    for b in blocks]
@@ -167,7 +170,7 @@ class _Chunk:
         return [b.dtensor(mesh) for b in self.blocks]
 
 
-def start_whole(inputs, ulysses_dims, gather_dims):
+def start_whole(inputs: Any, ulysses_dims: Any, gather_dims: Any) -> Any:
     """The whole call's q/k/v moves (one chunk of every head) with its first collective started, or
     None where they do not split into start and finish (split_call.py)."""
     blocks = _whole_blocks(inputs)
@@ -230,7 +233,7 @@ def _give_up(key, pipes, outs):
     return None
 
 
-def run_overlapped(style, inputs, ulysses_dims, gather_dims, call):
+def run_overlapped(style: Any, inputs: Any, ulysses_dims: Any, gather_dims: Any, call: Any) -> Any:
     """(this rank's output block, its seq dim, its placements), like output.to_caller, computed by
     the head-chunk pipeline; None where the call is not pipelined (the caller then runs it whole,
     through ``recording``)."""
@@ -256,7 +259,9 @@ def run_overlapped(style, inputs, ulysses_dims, gather_dims, call):
     chunk_inputs = replace(inputs, shapes=[b.shape for b in chunks[0]])
     heads = (chunk_inputs.shapes[0][inputs.head], inputs.shapes[0][inputs.head])
     join = lambda out, seq: _join_dim(out, seq, ulysses_dims, heads, whole or None)  # noqa: E731
-    outs, layouts, head = [], set(), None
+    outs: List[Any] = []
+    layouts: Set[Any] = set()
+    head = None
     for c, pipe in enumerate(pipes):
         qkv = pipe.complete(inputs.mesh)
         for later in pipes[c + 1:c + 1 + depth]:

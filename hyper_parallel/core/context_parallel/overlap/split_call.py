@@ -11,6 +11,7 @@ Calls whose moves do not split (masks, load balancing, the ring, a q DTensor on 
 layouts that need several collectives in one stage) run whole at ``start``; ``finish`` returns
 their output. The values are those of an ordinary call either way.
 """
+from typing import Any
 from hyper_parallel.core.bounded_cache import lifetime_key
 from hyper_parallel.core.context_parallel.mode import agreeing, deliver, prepare, run_prepared
 from hyper_parallel.core.context_parallel.output import first_output, to_caller
@@ -20,10 +21,10 @@ from hyper_parallel.core.context_parallel.overlap.pipeline import start_whole
 class PendingAttention:
     """A started attention call; ``finish()`` returns its output (once computed, the same object)."""
 
-    def __init__(self, finish):
+    def __init__(self, finish: Any) -> None:
         self._finish, self._out = finish, None
 
-    def finish(self):
+    def finish(self) -> Any:
         if self._finish is not None:
             self._out, self._finish = self._finish(), None
         return self._out
@@ -34,7 +35,7 @@ def _splittable(style, inputs, gather_dims, masks):
             and not (style.kv_exchange == "ring" and gather_dims))
 
 
-def start_call(style, cp_mesh, qkv, call):
+def start_call(style: Any, cp_mesh: Any, qkv: Any, call: Any) -> Any:
     """``call(q, k, v)`` (the module, on DTensors in the mode's layout) as a ``PendingAttention``."""
     inputs, ulysses_dims, gather_dims, masks = prepare(style, cp_mesh, qkv)
     call = agreeing(inputs.mesh, call, lifetime_key(style))   # the kernel's settings compared across ranks

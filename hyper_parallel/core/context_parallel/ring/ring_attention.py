@@ -28,6 +28,7 @@ A sliding window (the kernels' ``window``) skips the kernel of every chunk pair 
 contiguous ring it also shortens the ring to the blocks the window reaches (``ring_steps``): fewer
 steps, fewer K/V hops, and the dK/dV accumulators go straight home from the last one.
 """
+from typing import Any
 from dataclasses import dataclass
 
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
@@ -50,16 +51,16 @@ class RingLayout:
     zigzag: bool = False
 
     @property
-    def size(self):
+    def size(self) -> int:
         return len(self.ranks)
 
-    def chunk_ids(self, position):
+    def chunk_ids(self, position: Any) -> Any:
         """Global ids of the sequence chunks held at ring ``position`` (in sub-chunk units)."""
         if self.zigzag:
             return (2 * position, 2 * self.size - 1 - 2 * position)
         return (position,)
 
-    def spans(self, position, length):
+    def spans(self, position: Any, length: Any) -> Any:
         """Global spans of the chunks held at ``position`` when each rank's block is ``length`` long."""
         ids = self.chunk_ids(position)
         size = length // len(ids)
@@ -73,7 +74,7 @@ class QueryHeadChunks:
     cover a chunk: the per-step buffers that are per query head shrink, while the K/V block, its hops
     and the bytes sent stay as they are (each step runs ``HEAD_GROUPS`` kernel calls instead of one)."""
 
-    def __init__(self, inner, heads):
+    def __init__(self, inner: Any, heads: Any) -> None:
         self.inner, self.merge, self.empty = inner, inner.merge, inner.empty
         self.causal, self.window = getattr(inner, "causal", False), getattr(inner, "window", None)
         size = -(-heads // HEAD_GROUPS)
@@ -82,13 +83,14 @@ class QueryHeadChunks:
     def _chunks(self, t, heads_dim=HEADS):
         return [t.narrow(heads_dim % t.ndim, start, count) for start, count in self.ranges]
 
-    def forward(self, q, k, v, q_span, k_span):
+    def forward(self, q: Any, k: Any, v: Any, q_span: Any, k_span: Any) -> Any:
         results = [self.inner.forward(qc, k, v, q_span, k_span) for qc in self._chunks(q)]
         if results[0] is None:
             return None
         return _cat([r[0] for r in results], HEADS, q), _cat([r[1] for r in results], -2, results[0][1])
 
-    def backward(self, grad_out, q, k, v, out, lse, q_span, k_span):
+    def backward(self, grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, q_span: Any,
+                 k_span: Any) -> Any:
         dq, dk, dv = [], None, None
         for g, qc, oc, lc in zip(*(self._chunks(t) for t in (grad_out, q, out)), self._chunks(lse, -2)):
             got = self.inner.backward(g, qc, k, v, oc, lc, q_span, k_span)
@@ -125,7 +127,7 @@ class _Ring:
                                      async_op=True)
 
 
-def ring_steps(layout, kernel, length):
+def ring_steps(layout: Any, kernel: Any, length: Any) -> Any:
     """How many ring steps a call takes: every rank's block (P), or under a sliding window on the
     contiguous ring only the blocks the window reaches — the own block and the ceil((w - 1) / L)
     before it (L = ``length``, the local block) — so the hops past them are never sent. Every rank
@@ -299,7 +301,7 @@ def _backward(ctx, grad_out):
 _RING_ATTENTION = lazy_autograd_function("RingAttention", _forward, _backward)
 
 
-def run_ring(q, k, v, layout, kernel, sinks=None):
+def run_ring(q: Any, k: Any, v: Any, layout: Any, kernel: Any, sinks: Any = None) -> Any:
     """Differentiable ring attention of this rank's (batch, heads, seq, dim) blocks with ``kernel``
     on each (query chunk, key chunk) pair; ``sinks``: one logit per query head held here, or None."""
     if q.shape[HEADS] % k.shape[HEADS]:
@@ -308,7 +310,8 @@ def run_ring(q, k, v, layout, kernel, sinks=None):
     return _RING_ATTENTION(q, k, v, sinks, layout, _shared_kv(kernel, q, k))
 
 
-def ring_attention(q, k, v, layout, causal=False, scale=None, softcap=None, window=None, sinks=None):
+def ring_attention(q: Any, k: Any, v: Any, layout: Any, causal: bool = False, scale: Any = None,
+                   softcap: Any = None, window: Any = None, sinks: Any = None) -> Any:
     """Attention of local queries against the K/V blocks of every rank in ``layout``'s ring.
 
     q, k, v: this rank's (batch, heads, seq, dim) blocks (k/v may have fewer heads: GQA). softcap,

@@ -6,6 +6,7 @@ The user's module is called with q, k, v as DTensors, as in every mode; a dispat
 and, at ``F.scaled_dot_product_attention`` or ``hyper_parallel.attention`` (soft-capping, sinks, a
 window: the ring's block kernels take them), runs the ring kernel on their local blocks instead of
 the attention rule. Attention code that consumes them otherwise is refused: it cannot be ringed."""
+from typing import Any
 from hyper_parallel.core.agreement_attention import agree_on_attention
 from hyper_parallel.core.context_parallel.movement import to_mode
 from hyper_parallel.core.context_parallel.load_balance import merge_head_tail, zigzag_block, zigzag_halves
@@ -28,12 +29,12 @@ class RingInterceptor(SeqTracking, Interceptor):
                               "contiguous"})
     consumers = frozenset({"sdpa", "attention", "npu_fusion_attention"})
 
-    def __init__(self, kernel):
+    def __init__(self, kernel: Any) -> None:
         super().__init__()
         self.kernel = kernel
         self.used = False
 
-    def strategy(self, call):
+    def strategy(self, call: Any) -> Any:
         self.check_kernel(call)   # seq_dim must reach the kernel's sequence dim
         if call.name not in ("sdpa", "attention"):
             return None  # the NPU rule explains that sequence-split K/V needs the sdpa ring
@@ -58,7 +59,7 @@ class RingInterceptor(SeqTracking, Interceptor):
             return self.kernel(*values, variant, sinks)
         return OpStrategy(inputs=inputs, outputs=placements[0], local=local)
 
-    def refusal(self, name):
+    def refusal(self, name: str) -> Any:
         return ValueError(f"ContextParallel(kv_exchange='ring') cannot ring the attention code in this "
                           f"module: q/k/v reach '{name}'. Write the attention with "
                           f"F.scaled_dot_product_attention (or the NPU fused kernel), or use "
@@ -76,7 +77,7 @@ def _ring_kernel(layout, masks):
     return kernel
 
 
-def run_ring(style, inputs, ulysses_dims, ring_dim, call):
+def run_ring(style: Any, inputs: Any, ulysses_dims: Any, ring_dim: Any, call: Any) -> Any:
     """(this rank's contiguous output block (local, differentiable), the output's seq dim, its
     placements on the working mesh)."""
     mesh, seq, head = inputs.mesh, inputs.seq, inputs.head

@@ -4,6 +4,7 @@ These are autograd-engine internals (gradient accumulation, ``ones_like`` for ``
 optimizer updates, in-place methods and ops with no user-level rule. Autograd is above this level,
 so the redistributions here are plain (non-differentiable) moves.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.aten import writeback
 from hyper_parallel.core.dtensor.aten.aten_rules import copy_source, run_by_rule
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
@@ -318,7 +319,7 @@ _HANDLERS = {"alias": _alias, "like": _like, "new_like": _new_like, "fill": _fil
              "index_backward": _index_backward, "lazy_bit": _lazy_bit}
 
 
-def dispatch_aten(func, args, kwargs):
+def dispatch_aten(func: Any, args: Any, kwargs: Any) -> Any:
     user = user_op_function(func)
     if user is not None:  # register_sharding of this op: the user's strategy, not the fallback
         return run_user_op(user, func, args, kwargs)

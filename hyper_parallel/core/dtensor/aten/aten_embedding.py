@@ -12,6 +12,7 @@ and indices are split alike on a position dim, each rank sums its own positions:
 grad_output split on its last (embedding) dim gives grad_weight Shard(1). ``scale_grad_by_freq``
 divides by counts over every position, so the positions are gathered then.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_aten, register_rule
 from hyper_parallel.core.dtensor.placement_types import Partial, Replicate
 
@@ -31,7 +32,7 @@ def _assign(call, pairs):
 
 
 @register_rule("aten_embedding")
-def aten_embedding_rule(call):
+def aten_embedding_rule(call: Any) -> Any:
     weight, ids = call.args[0], call.args[1]
     w_spec = call.spec(weight)
     sparse = len(call.args) > 4 and call.args[4]
@@ -52,7 +53,7 @@ def aten_embedding_rule(call):
 
 
 @register_rule("aten_embedding_dense_backward")
-def embedding_dense_backward_rule(call):
+def embedding_dense_backward_rule(call: Any) -> Any:
     grad, ids = call.args[0], call.args[1]
     g_spec = call.spec(grad)
     if g_spec is None or len(call.args) < 5 or not hasattr(ids, "ndim") or g_spec.ndim != ids.ndim + 1:

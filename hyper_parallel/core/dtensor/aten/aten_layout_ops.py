@@ -5,6 +5,7 @@ Each keeps the shards of the dims it does not work along (moved to where the dim
 output) and gathers the dims it works along (gather_dims). A Partial passes only through ops that
 are linear in their input (roll, diagonal and its backward move values); the others reduce it first.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.ops.empty_pieces import without_empty_pieces
 from hyper_parallel.core.dtensor.ops.gather_dims import gather_dims
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_aten, register_rule
@@ -22,7 +23,7 @@ def _only_first(call, inputs, outputs, local=None):
 
 
 @register_rule("aten_fill")
-def fill_rule(call):
+def fill_rule(call: Any) -> Any:
     """fill(self, value): the output never reads self's values, so self does not move; where self
     is Partial the output is the value everywhere: Replicate. A tensor value is replicated."""
     spec = _first(call)
@@ -34,7 +35,7 @@ def fill_rule(call):
 
 
 @register_rule("aten_roll")
-def roll_rule(call):
+def roll_rule(call: Any) -> Any:
     """roll(self, shifts, dims): the rolled dims are gathered (no dims: the flattened tensor rolls,
     every dim is gathered)."""
     spec = _first(call)
@@ -47,7 +48,7 @@ def roll_rule(call):
 
 
 @register_rule("aten_cumprod")
-def cumprod_rule(call):
+def cumprod_rule(call: Any) -> Any:
     """cumprod(self, dim): a product along dim (not linear: a Partial is reduced)."""
     spec = _first(call)
     dim = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim")
@@ -58,7 +59,7 @@ def cumprod_rule(call):
 
 
 @register_rule("aten_aminmax")
-def aminmax_rule(call):
+def aminmax_rule(call: Any) -> Any:
     """aminmax(self, *, dim=None, keepdim=False) -> (min, max): the reduced dim(s) are gathered."""
     spec = _first(call)
     dim, keepdim = call.kwargs.get("dim"), bool(call.kwargs.get("keepdim", False))
@@ -76,7 +77,7 @@ def aminmax_rule(call):
 
 
 @register_rule("aten_glu")
-def glu_rule(call):
+def glu_rule(call: Any) -> Any:
     """glu(self, dim) and glu_backward(grad_output, self, dim): the halved dim is gathered; the
     gradient (of self's shape) follows self, grad_output (halved dim) takes the same layout."""
     backward = call.name == "aten_glu_backward"
@@ -100,7 +101,7 @@ def _diagonal_dims(ndim, args, first):
 
 
 @register_rule("aten_diagonal")
-def diagonal_rule(call):
+def diagonal_rule(call: Any) -> Any:
     """diagonal(self, offset, dim1, dim2): dim1 and dim2 are gathered; the other dims keep their
     order in the output, the diagonal is appended last."""
     spec = _first(call)
@@ -113,7 +114,7 @@ def diagonal_rule(call):
 
 
 @register_rule("aten_diagonal_backward")
-def diagonal_backward_rule(call):
+def diagonal_backward_rule(call: Any) -> Any:
     """diagonal_backward(grad, input_sizes, offset, dim1, dim2): the inverse placement move; each
     rank builds its own piece (its local input sizes)."""
     spec = _first(call)
@@ -133,7 +134,7 @@ def diagonal_backward_rule(call):
 
 
 @register_rule("aten_tril")
-def tril_rule(call):
+def tril_rule(call: Any) -> Any:
     """tril / triu(self, diagonal): batch shards pass. A plain Shard of one of the last two dims
     stays too: element (i, j) is kept by j - i <= k (tril) / >= k (triu), so a piece whose rows
     start at r0 and columns at c0 is the piece's own tril / triu with diagonal k + r0 - c0. Strided
@@ -159,7 +160,7 @@ register_rule("aten_triu")(tril_rule)
 
 
 @register_rule("aten_pixel_shuffle")
-def pixel_shuffle_rule(call):
+def pixel_shuffle_rule(call: Any) -> Any:
     """pixel_shuffle / pixel_unshuffle: the last three dims (C, H, W) trade sizes; the batch dims
     before them keep their shards."""
     spec = _first(call)

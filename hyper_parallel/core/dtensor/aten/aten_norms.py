@@ -10,23 +10,24 @@ any Partial are replicated first (normalisation is not linear). weight and bias 
 Backward: the input gradient follows the input. The weight and bias gradients sum over the leading
 dims, so where a mesh dim splits one of them each rank holds a part of the sum: ``Partial(sum)``.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.ops.empty_pieces import without_empty_pieces
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_aten, register_rule
 from hyper_parallel.core.dtensor.placement_types import Partial, Replicate
 
 
-def kept_batch(spec, first_stat_dim):
+def kept_batch(spec: Any, first_stat_dim: Any) -> Any:
     """Per mesh dim: the input's shard of a dim before ``first_stat_dim`` (one the statistics do not
     cross; rows are independent, so any split of it works), else Replicate."""
     return tuple(p if p.is_shard() and p.dim < first_stat_dim else Replicate() for p in spec.placements)
 
 
-def summed(kept):
+def summed(kept: Any) -> Any:
     """The placements of a gradient summed over the batch dims ``kept`` splits."""
     return tuple(Partial("sum") if p.is_shard() else Replicate() for p in kept)
 
 
-def batch_strategy(call, batch_tensors, kept, outputs, local=None):
+def batch_strategy(call: Any, batch_tensors: Any, kept: Any, outputs: Any, local: Any = None) -> Any:
     """``batch_tensors`` laid out as ``kept``, every other DTensor of the call replicated."""
     inputs = [(Replicate(),) * call.mesh_ndim] * len(call.specs)
     for t in batch_tensors:
@@ -44,7 +45,7 @@ def _layer_norm_dims(call, x_pos, shape_pos):
 
 
 @register_rule("native_layer_norm")
-def native_layer_norm_rule(call):
+def native_layer_norm_rule(call: Any) -> Any:
     x, first = _layer_norm_dims(call, 0, 1)
     if x is None or call.index(x) != 0 or len(call.args) < 5:
         return None
@@ -53,7 +54,7 @@ def native_layer_norm_rule(call):
 
 
 @register_rule("native_layer_norm_backward")
-def native_layer_norm_backward_rule(call):
+def native_layer_norm_backward_rule(call: Any) -> Any:
     if len(call.args) < 8:
         return None
     x, first = _layer_norm_dims(call, 1, 2)
@@ -74,7 +75,7 @@ def _group_norm_local(n_pos, x_pos):
 
 
 @register_rule("native_group_norm")
-def native_group_norm_rule(call):
+def native_group_norm_rule(call: Any) -> Any:
     x = call.args[0]
     spec = call.spec(x)
     if spec is None or call.index(x) != 0 or len(call.args) < 8 or spec.ndim < 2:
@@ -84,7 +85,7 @@ def native_group_norm_rule(call):
 
 
 @register_rule("native_group_norm_backward")
-def native_group_norm_backward_rule(call):
+def native_group_norm_backward_rule(call: Any) -> Any:
     if len(call.args) < 10:
         return None
     grad, x, mean, rstd = call.args[:4]

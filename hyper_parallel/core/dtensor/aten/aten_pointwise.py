@@ -7,6 +7,7 @@ forward ran at the aten level (``torch.floor_divide``, F.hardswish / F.logsigmoi
 and by the backward ops autograd then runs. None is linear, so a Partial is reduced first (the
 elementwise rule's linearity test goes by name).
 """
+from typing import Any
 from hyper_parallel.core.dtensor.ops.elementwise import elementwise_rule
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_aten, register_rule
 
@@ -17,7 +18,7 @@ _HAS_IN_PLACE = {"floor_divide", "hardswish"}
 
 
 @register_rule("log_sigmoid_forward")
-def log_sigmoid_forward_rule(call):
+def log_sigmoid_forward_rule(call: Any) -> Any:
     """log_sigmoid_forward(self) -> (output, buffer): both elementwise in self's layout."""
     strategy = elementwise_rule(call)
     if strategy is None:

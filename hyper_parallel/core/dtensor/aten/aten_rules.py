@@ -17,6 +17,7 @@ through the rule of its out-of-place op, on the shards:
 When the rule keeps self in its own layout and needs no local function, the op runs in place on
 self's shard directly. Autograd is above this level: these moves are plain, not differentiable.
 """
+from typing import Any
 import functools
 
 from hyper_parallel.core.dtensor.dispatch.dispatcher import ensure_leaf_grad_layout
@@ -68,7 +69,7 @@ def _names(func):
     return getattr(packet, "__name__", None) or str(func)
 
 
-def route(func, kwargs):
+def route(func: Any, kwargs: Any) -> Any:
     """(rule name, what the call writes) for an aten call this module runs, or None."""
     name = _names(func)
     written = [pos for pos, _ in get_platform().written_arguments(func)]
@@ -94,18 +95,18 @@ def _functional(func, mode):
         def run(self, *args, **kwargs):
             return func(self.clone(), *args, **kwargs)
     elif mode == _OUT:
-        def run(*args, **kwargs):
+        def run(*args, **kwargs):  # type: ignore[misc]  # one name, three signatures
             scratch = kwargs.pop("_hp_out_like")
             return func(*args, **kwargs, out=scratch.new_empty((0,)))
     else:
-        def run(*args, **kwargs):
+        def run(*args, **kwargs):  # type: ignore[misc]
             return func(*args, **kwargs)
     base = _names(func)
     run.__name__ = base[:-1] if base.endswith("_") else base   # the name linearity tests read
     return run
 
 
-def run_by_rule(func, args, kwargs):
+def run_by_rule(func: Any, args: Any, kwargs: Any) -> Any:
     """The call's result computed through its rule, or NotImplemented (no route, no strategy)."""
     found = route(func, kwargs)
     if found is None:
@@ -204,7 +205,7 @@ def _promote(x, mesh):
     return x
 
 
-def copy_source(src, spec):
+def copy_source(src: Any, spec: Any) -> Any:
     """The local piece ``copy_`` into a DTensor of ``spec`` reads: ``src`` laid out as the target is,
     along the dims it has, and replicated along those it broadcasts over (a plain ``src`` is a
     replicated global value of its own shape)."""

@@ -12,6 +12,7 @@ need its neighbours' edges: spatial dims are gathered. What stays split:
 * padding: every dim the padding does not touch.
 Partial inputs are reduced first.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.ops.empty_pieces import without_empty_pieces
 from hyper_parallel.core.dtensor.ops.gather_dims import gather_dims
 from hyper_parallel.core.dtensor.aten.aten_norms import batch_strategy, kept_batch, summed
@@ -26,7 +27,7 @@ def _spatial_gathered(spec, dims):
 
 
 @register_rule("aten_convolution")
-def convolution_rule(call):
+def convolution_rule(call: Any) -> Any:
     x, weight = call.args[0], call.args[1]
     spec, w_spec = call.spec(x), call.spec(weight)
     if spec is None or w_spec is None or call.index(x) != 0 or spec.ndim != w_spec.ndim:
@@ -36,7 +37,7 @@ def convolution_rule(call):
 
 
 @register_rule("aten_convolution_backward")
-def convolution_backward_rule(call):
+def convolution_backward_rule(call: Any) -> Any:
     grad, x, weight = call.args[0], call.args[1], call.args[2]
     spec = call.spec(x)
     if spec is None or call.spec(grad) is None or call.spec(weight) is None or len(call.args) < 11:
@@ -52,7 +53,7 @@ _UPSAMPLE = ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "
 
 
 @register_rule("aten_upsample")
-def upsample_rule(call):
+def upsample_rule(call: Any) -> Any:
     """upsample_*(self, output_size, ...) and the .vec overloads: N and C keep their shards."""
     spec = call.spec(call.args[0]) if call.args else None
     if spec is None or call.index(call.args[0]) != 0 or spec.ndim < 3:
@@ -62,7 +63,7 @@ def upsample_rule(call):
 
 
 @register_rule("aten_upsample_backward")
-def upsample_backward_rule(call):
+def upsample_backward_rule(call: Any) -> Any:
     """upsample_*_backward(grad_output, output_size, input_size, ...): grad_output's N and C keep
     their shards; the kernel gets this rank's N and C in input_size."""
     spec = call.spec(call.args[0]) if call.args else None
@@ -81,7 +82,7 @@ _PADS = tuple(f"{kind}_pad{n}d" for kind in ("reflection", "replication") for n 
 
 
 @register_rule("aten_edge_pad")
-def edge_pad_rule(call):
+def edge_pad_rule(call: Any) -> Any:
     """reflection / replication_pad{1,2,3}d(self, padding) and their backward (grad_output, self,
     padding): the padded dims (the last len(padding) / 2) are gathered; every tensor of the call
     takes the same layout (self only gives its shape to the backward)."""

@@ -5,6 +5,7 @@ A foreach op is a list of independent single-tensor ops; each position is dispat
 would be, so every parameter is updated exactly as on one device whatever its layout. A gradient
 norm (``_foreach_norm``) is combined from the shards' norms instead of gathering each gradient.
 """
+from typing import Any
 import math
 
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
@@ -17,7 +18,7 @@ def _returns_nothing(func):
     return get_platform().op_returns_nothing(func)
 
 
-def run_foreach(func, args, kwargs, dispatch, fallback):
+def run_foreach(func: Any, args: Any, kwargs: Any, dispatch: Any, fallback: Any) -> Any:
     """``dispatch(op, args, kwargs)`` runs one single-tensor aten op on DTensors; ``fallback`` runs
     the whole foreach op on replicated values (for the few without a single-tensor form)."""
     calls = get_platform().foreach_to_single(func, args, kwargs)
@@ -52,7 +53,7 @@ def _op_name(func):
     return getattr(getattr(func, "overloadpacket", func), "__name__", str(func))
 
 
-def sharded_norm(op, args, kwargs):
+def sharded_norm(op: Any, args: Any, kwargs: Any) -> Any:
     """The p-norm of a whole DTensor from its shards' norms: one all-reduce of a scalar per sharded
     mesh dim, never a gather. None (the caller dispatches normally) for Partial values or a
     ``dim`` argument."""
@@ -76,7 +77,7 @@ def sharded_norm(op, args, kwargs):
     return DTensor._make(local, replicated)
 
 
-def run_fused(func, args, kwargs):
+def run_fused(func: Any, args: Any, kwargs: Any) -> Any:
     """A fused optimizer step (``_fused_adam_(params, grads, exp_avgs, ...)``): elementwise across
     the lists, so it runs once on the local shards when each position's tensors share the
     parameter's layout (the usual case: state is created ``zeros_like(param)``); a tensor in

@@ -7,6 +7,7 @@ in-place op, the placements follow their dims, and the platform updates the wrap
 No data moves. A squeeze of a dim that a mesh dim splits (a size-1 dim whose trailing pieces are
 empty) and the ops that reallocate or restride (``resize_``, ``as_strided_``, ``set_``) raise.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.placement_types import normalize_placements
 from hyper_parallel.core.dtensor.spec import DTensorSpec
 from hyper_parallel.platform import get_platform
@@ -47,7 +48,7 @@ def _squeeze(spec, dims, name):
                  for p in spec.placements)
 
 
-def new_placements(name, spec, args):
+def new_placements(name: str, spec: Any, args: Any) -> Any:
     """The target's placements after the op, or None if the op is not a relabelling of dims."""
     if name in ("transpose_", "swapdims_", "swapaxes_"):
         return _transpose(spec, args[1], args[2])
@@ -60,7 +61,7 @@ def new_placements(name, spec, args):
     return None
 
 
-def reshape_in_place(name, func, args, kwargs):
+def reshape_in_place(name: str, func: Any, args: Any, kwargs: Any) -> Any:
     target = args[0]
     spec = target._spec
     placements = new_placements(name, spec, args)

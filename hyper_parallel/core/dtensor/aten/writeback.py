@@ -16,6 +16,7 @@ records the write on the base as it does for any tensor. A view taken by a user-
 so a write through it into a base that autograd tracks would give wrong gradients; that case
 raises instead.
 """
+from typing import Any
 from hyper_parallel.platform import get_platform
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
 from hyper_parallel.core.dtensor.placement_types import Replicate
@@ -30,17 +31,17 @@ class _Link:
         self.base, self.region, self.autograd_view = base, region, autograd_view
 
 
-def mark(out, base, region, autograd_view):
+def mark(out: Any, base: Any, region: Any, autograd_view: Any) -> None:
     """``out`` is ``region(base)``, computed on moved data. ``region(full)`` takes the same view of
     a plain tensor holding the base's full value."""
     setattr(out, _ATTR, _Link(base, region, autograd_view))
 
 
-def is_marked(tensor):
+def is_marked(tensor: Any) -> bool:
     return getattr(tensor, _ATTR, None) is not None
 
 
-def check_writable(view):
+def check_writable(view: Any) -> None:
     """Raise before an in-place write into a view that autograd does not know as one (taken by a
     user-level view op from a DTensor that requires grad): the write could not reach the base's
     gradient."""
@@ -53,7 +54,7 @@ def check_writable(view):
                          "(base[idx] = value), use the out-of-place op, or clone() the view first")
 
 
-def write_back(view):
+def write_back(view: Any) -> None:
     """Propagate an in-place change of ``view`` into its base (and the base's base...)."""
     link = getattr(view, _ATTR, None)
     if link is None:

@@ -9,13 +9,15 @@ goes straight to redistribution, the local op and wrapping: no rule, no meta-ten
 Rules whose decision reads state outside the call (``loss_parallel()`` is on or off) register
 with ``cacheable=False``; calls an interceptor takes over are never cached.
 """
+from typing import Any
 from hyper_parallel.core.bounded_cache import BoundedCache
 
 _DECISIONS = BoundedCache(65536)
 STATS = {"rule_evaluations": 0, "hits": 0, "fast_hits": 0}
 
 
-def signature(name, func, mesh, leaves, structure, is_tensor, dtensor_type):
+def signature(name: str, func: Any, mesh: Any, leaves: Any, structure: Any, is_tensor: Any,
+              dtensor_type: Any) -> Any:
     """The call's signature (hashable)."""
     key = [name, func, mesh, structure]
     for leaf in leaves:
@@ -33,21 +35,21 @@ def signature(name, func, mesh, leaves, structure, is_tensor, dtensor_type):
     return tuple(key)
 
 
-def lookup(key):
+def lookup(key: Any) -> Any:
     found = _DECISIONS.get(key)
     if found is not None:
         STATS["hits"] += 1
     return found
 
 
-def store(key, strategy, out_shapes):
+def store(key: Any, strategy: Any, out_shapes: Any) -> None:
     _DECISIONS[key] = (strategy, out_shapes)
 
 
-ON_CLEAR = []   # other caches built on these decisions (fast_path.py) register their clear here
+ON_CLEAR: list[Any] = []   # other caches built on these decisions (fast_path.py) register their clear here
 
 
-def clear():
+def clear() -> None:
     _DECISIONS.clear()
     for hook in ON_CLEAR:
         hook()

@@ -13,7 +13,7 @@ any backward op.
 """
 import functools
 import inspect
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from hyper_parallel.core.agreement_attention import agree_on_repeated_attention
 from hyper_parallel.core.bounded_cache import BoundedCache
@@ -51,7 +51,7 @@ def promote_plain(leaf: Any, mesh: Any) -> Any:
 
 
 def input_grad_placements(placements: Sequence[Any], replicated_out: Any) -> Any:
-    out = []
+    out: List[Any] = []
     for m, p in enumerate(placements):
         if p.is_partial():
             out.append(Replicate())
@@ -203,7 +203,7 @@ def _decide(call, rule, interceptor, leaves, structure):
                                        get_platform().is_tensor, DTensor)
         found = decision_cache.lookup(key)
         if found is not None:
-            agree_on_repeated_attention(call)   # HP_CHECK_RANKS=every: the rule's check, every call
+            agree_on_repeated_attention(call)   # the rule's agreement check, for the call site's sequence
             call.set_out_shapes(found[1])
             return found[0]
     decision_cache.STATS["rule_evaluations"] += 1

@@ -1,4 +1,5 @@
 """Ops without a sharding rule: replicate, run, return Replicate — and say so, once per op."""
+from typing import Any, Iterator
 import contextlib
 import os
 import warnings
@@ -7,15 +8,15 @@ from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.platform import get_platform
 
-_warned = set()
-_recorders = []
+_warned: set[Any] = set()
+_recorders: list[Any] = []
 
 
 @contextlib.contextmanager
-def recording_fallbacks():
+def recording_fallbacks() -> Iterator[Any]:
     """Collect the names of the ops that take the fallback inside the block (the op sweep's table
     and tests use it to tell a rule from a fallback)."""
-    names = set()
+    names: set[Any] = set()
     _recorders.append(names)
     try:
         yield names
@@ -23,11 +24,11 @@ def recording_fallbacks():
         _recorders.remove(names)
 
 
-def strict_dispatch():
+def strict_dispatch() -> bool:
     return os.environ.get("HP_STRICT_DISPATCH", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def report_missing_rule(op_name):
+def report_missing_rule(op_name: str) -> None:
     for names in _recorders:
         names.add(op_name)
     if strict_dispatch():
@@ -42,7 +43,7 @@ def report_missing_rule(op_name):
                       f"avoid the extra communication.", stacklevel=3)
 
 
-def run_replicated(name, op, args, kwargs):
+def run_replicated(name: str, op: Any, args: Any, kwargs: Any) -> Any:
     """No rule (a framework whose ops reach a DTensor at the function level only: MindSpore): every
     DTensor input is gathered (differentiably), the op runs on the full values, and tensor outputs
     become Replicate DTensors."""

@@ -26,10 +26,11 @@ rule-supplied local function, one tensor output. Without autograd the call is th
 one wrap. With autograd it builds the slow path's nodes with the same gradient specs and
 pass-through dims (``_run_differentiable``), so gradients are the slow path's exactly.
 """
+from typing import Any
 from hyper_parallel.core.bounded_cache import BoundedCache
 from hyper_parallel.core.dtensor.dispatch import decision_cache
-from hyper_parallel.core.dtensor.dispatch.dispatcher import (_passthrough, dispatch_function, ensure_leaf_grad_layout,
-                                                  input_grad_placements)
+from hyper_parallel.core.dtensor.dispatch.dispatcher import (_passthrough, dispatch_function,
+                                                             ensure_leaf_grad_layout, input_grad_placements)
 from hyper_parallel.core.dtensor.dtensor import DTensor, GradPassThrough
 from hyper_parallel.core.dtensor.dispatch.fast_autograd import from_local, to_locals
 from hyper_parallel.core.dtensor.dispatch.interceptors import _stack, involved
@@ -84,7 +85,7 @@ _requires_grad = getattr(DTensor, "_hp_requires_grad", None) or _platform_requir
 _is_leaf = getattr(DTensor, "_hp_is_leaf", None)   # else ensure_leaf_grad_layout asks grad_fn
 
 
-def dispatch(name, func, args, kwargs, hit_only=False):
+def dispatch(name: str, func: Any, args: Any, kwargs: Any, hit_only: bool = False) -> Any:
     """Run a user-level op on DTensors: the fast path on a hit, else ``dispatch_function``; with
     ``hit_only``, NotImplemented instead of anything but a plain hit (the platform's operator
     methods then take torch's usual route). Inline rather than in helpers: every frame and every
@@ -95,7 +96,7 @@ def dispatch(name, func, args, kwargs, hit_only=False):
     a = args[0]
     la = a._local_tensor
     if n == 1:
-        key = (name, func, id(a._spec), la.dtype)
+        key: tuple = (name, func, id(a._spec), la.dtype)
         entry = _ENTRIES.get(key)
         if entry is None or (_stack.get() and involved([a]) is not None):
             return NotImplemented if hit_only else _miss(name, func, args, kwargs, key, entry)
@@ -251,7 +252,7 @@ def _record(key, args, targets, out_placements, result):
                            passthrough.dims if passthrough is not None else None)
 
 
-def intern(spec):
+def intern(spec: Any) -> Any:
     """The one spec object standing for ``spec``'s value on ``spec``'s mesh object."""
     k = (id(spec.mesh), spec.placements, spec.shape)
     found = _SPECS.get(k)
@@ -271,7 +272,7 @@ def _intern_args(args):
     return changed
 
 
-def clear():
+def clear() -> None:
     _ENTRIES.clear()
     _SPECS.clear()
 

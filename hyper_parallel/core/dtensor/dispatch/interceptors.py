@@ -13,44 +13,46 @@ such a call (``intercepting``) and consulted for every dispatched op whose input
 
 The dispatcher knows nothing else about the features that use it.
 """
+from typing import Any, Iterator
 import contextlib
 import contextvars
 import weakref
 
-_stack = contextvars.ContextVar("hp_dispatch_interceptors", default=())
+_stack: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("hp_dispatch_interceptors",
+                                                                         default=())
 
 
 class Interceptor:
-    pass_through = frozenset()
-    consumers = frozenset()
+    pass_through: frozenset[Any] = frozenset()
+    consumers: frozenset[Any] = frozenset()
 
-    def __init__(self):
-        self._followed = {}
+    def __init__(self) -> None:
+        self._followed: dict[Any, Any] = {}
 
-    def follow(self, tensor):
+    def follow(self, tensor: Any) -> None:
         self._followed[id(tensor)] = weakref.ref(tensor)
 
-    def follows(self, tensor):
+    def follows(self, tensor: Any) -> bool:
         ref = self._followed.get(id(tensor))
         return ref is not None and ref() is tensor
 
-    def passed(self, call, inputs, outputs):
+    def passed(self, call: Any, inputs: Any, outputs: Any) -> None:
         """A pass-through op ran on followed ``inputs`` (the call's leaves): follow its DTensor
         ``outputs``. Subclasses may carry per-tensor facts along (attention_roles.SeqTracking)."""
         for out in outputs:
             self.follow(out)
 
-    def strategy(self, call):
+    def strategy(self, call: Any) -> Any:
         """The strategy for a consumer op, or None to let the op's rule decide."""
         return None
 
-    def refusal(self, name):
+    def refusal(self, name: str) -> Any:
         return ValueError(f"{type(self).__name__}: the tensors it follows reach {name!r}, which it cannot "
                           f"take over")
 
 
 @contextlib.contextmanager
-def intercepting(interceptor):
+def intercepting(interceptor: Any) -> Iterator[Any]:
     token = _stack.set(_stack.get() + (interceptor,))
     try:
         yield interceptor
@@ -58,7 +60,7 @@ def intercepting(interceptor):
         _stack.reset(token)
 
 
-def involved(leaves):
+def involved(leaves: Any) -> Any:
     """The innermost active interceptor that follows one of ``leaves``, or None."""
     for interceptor in reversed(_stack.get()):
         if any(interceptor.follows(x) for x in leaves):
@@ -66,7 +68,7 @@ def involved(leaves):
     return None
 
 
-def screen(name, leaves):
+def screen(name: str, leaves: Any) -> Any:
     """The interceptor an op on ``leaves`` involves, after refusing ops it cannot pass or consume."""
     interceptor = involved(leaves) if _stack.get() else None
     if interceptor is not None and name not in interceptor.pass_through and name not in interceptor.consumers:

@@ -3,7 +3,8 @@ so it is hashable (the decision cache keys calls by it) whenever the dict keys a
 
 Most op calls are ``(args, {})`` with no nesting: their structure is shared per arity, and both
 directions take a short path (dispatch flattens and rebuilds every call's arguments)."""
-_FLAT = {}
+from typing import Any
+_FLAT: dict[Any, Any] = {}
 
 
 def _flat_structure(n):
@@ -13,13 +14,13 @@ def _flat_structure(n):
     return found
 
 
-def tree_flatten(obj):
+def tree_flatten(obj: Any) -> Any:
     if (type(obj) is tuple and len(obj) == 2 and type(obj[0]) is tuple and obj[1] == {}
             and not any(isinstance(a, (list, tuple, dict)) for a in obj[0])):
         return list(obj[0]), _flat_structure(len(obj[0]))
     if not isinstance(obj, (list, tuple, dict)):
         return [obj], None
-    leaves = []
+    leaves: list[Any] = []
     return leaves, _walk(obj, leaves)
 
 
@@ -34,7 +35,7 @@ def _walk(node, leaves):
     return None
 
 
-def tree_unflatten(leaves, structure):
+def tree_unflatten(leaves: Any, structure: Any) -> Any:
     if structure is None:
         return leaves[0]
     if structure is _FLAT.get(len(leaves)):

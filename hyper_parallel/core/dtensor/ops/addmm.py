@@ -9,6 +9,7 @@ Partial product is then reduced first. The added input is expanded to the local 
 before the op runs: torch's kernels do not broadcast a size-1 input against an EMPTY product
 (an uneven shard's empty piece) and would return a piece of the wrong shape.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.ops.elementwise import to_input
 from hyper_parallel.core.dtensor.ops.matmul import _Dims, _operand_placements
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
@@ -26,7 +27,7 @@ def _bias_placement(p, bias_shape, out_shape):
 
 
 @register_rule(*_NAMES)
-def addmm_rule(call):
+def addmm_rule(call: Any) -> Any:
     keys = _NAMES[call.name]
     bias, a, b = (call.arg(i, k) for i, k in enumerate(keys))
     a_spec, b_spec, bias_spec = call.spec(a), call.spec(b), call.spec(bias)

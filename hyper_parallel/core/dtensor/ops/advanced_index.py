@@ -18,6 +18,7 @@ Boolean masks (``x[mask]``): the number of selected elements depends on the mask
 computed from the whole mask (gathered if it is a split DTensor). The rule then sees only integer
 indices, and a mask over dims that are not split keeps the other dims' shards.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.ops.elementwise import to_input
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Replicate
@@ -34,7 +35,7 @@ def _is_mask(t):
                                   is False)
 
 
-def prepare_indices(rule_name, mesh, args, kwargs):
+def prepare_indices(rule_name: str, mesh: Any, args: Any, kwargs: Any) -> Any:
     """(args, kwargs) with every mask of an index / index_put call replaced by its nonzero positions."""
     if rule_name not in ("index", "index_put") or len(args) < 2 or not isinstance(args[1], (list, tuple)):
         return args, kwargs
@@ -88,7 +89,7 @@ def _indices_replicated(call, indices, inputs):
 
 
 @register_rule("index")
-def index_rule(call):
+def index_rule(call: Any) -> Any:
     parsed = _parse(call)
     if parsed is None:
         return None
@@ -105,14 +106,14 @@ def index_rule(call):
         else:
             placements.append(Replicate())
             out.append(Replicate())
-    inputs = [None] * len(call.specs)
+    inputs: list[Any] = [None] * len(call.specs)
     _indices_replicated(call, indices, inputs)
     inputs[0] = tuple(placements)
     return OpStrategy(inputs=inputs, outputs=tuple(out))
 
 
 @register_rule("index_put")
-def index_put_rule(call):
+def index_put_rule(call: Any) -> Any:
     parsed = _parse(call)
     if parsed is None:
         return None
@@ -129,14 +130,14 @@ def index_put_rule(call):
         if p.is_shard() and p.dim in dest:
             chosen.append(p)
             continue
-        pv = vspec.placements[m] if vspec is not None else Replicate()
+        pv: Any = vspec.placements[m] if vspec is not None else Replicate()
         r = pv.dim + len(region) - vspec.ndim if pv.is_shard() else None
         if p.is_replicate() and r in from_values and vspec.shape[pv.dim] == region[r] and \
                 not any(c.is_shard(from_values[r]) for c in chosen):
             chosen.append(pv.with_dim(from_values[r]))
         else:
             chosen.append(Replicate())
-    inputs = [None] * len(call.specs)
+    inputs: list[Any] = [None] * len(call.specs)
     _indices_replicated(call, indices, inputs)
     inputs[0] = tuple(chosen)
     if vspec is not None:

@@ -9,6 +9,7 @@ applies it is core/attention/offset_causal.py's (two key blocks merged by their 
 excluded key in any row's scores). An explicit global mask is sliced to the local rows by the same
 redistribution that splits q. This module is the rule only: placements, then the kernel.
 """
+from typing import Any
 from hyper_parallel.core.agreement_attention import agree_on_attention
 from hyper_parallel.core.dtensor.layout import numel
 from hyper_parallel.core.attention.offset_causal import ARG_NAMES, offset_causal
@@ -44,7 +45,7 @@ def _candidates(qs, ks, vs, m, n):
 
 
 @register_rule("sdpa")
-def sdpa_rule(call):
+def sdpa_rule(call: Any) -> Any:
     q, k, v = (call.arg(i, ARG_NAMES[i]) for i in range(3))
     qs, ks, vs = call.spec(q), call.spec(k), call.spec(v)
     if qs is None or ks is None or vs is None or qs.ndim < 3:

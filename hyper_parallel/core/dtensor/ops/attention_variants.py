@@ -9,6 +9,7 @@ core/attention/variant_kernel.py on the local blocks, told the global position o
 per global head; a rank's gradient covers its heads and rows, summed over ranks by the caller's
 data parallelism, as every parameter gradient under context parallelism is).
 """
+from typing import Any
 from hyper_parallel.core.dtensor.layout import numel
 from hyper_parallel.core.dtensor.ops.attention import _candidates
 from hyper_parallel.core.attention.roles import check_query
@@ -27,7 +28,7 @@ class AttentionExtras:
     rank's share (its rows and heads) like every other parameter's under context parallelism."""
     __slots__ = ("variant", "sinks")
 
-    def __init__(self, variant, sinks):
+    def __init__(self, variant: Any, sinks: Any) -> None:
         self.variant, self.sinks = variant, sinks
 
     def __repr__(self):
@@ -55,7 +56,7 @@ def _check_heads(q_t, extras):
 
 
 @register_rule("attention", cacheable=False)
-def attention_rule(call):
+def attention_rule(call: Any) -> Any:
     q, k, v = (call.arg(i, ARG_NAMES[i]) for i in range(3))
     qs, ks, vs = call.spec(q), call.spec(k), call.spec(v)
     if qs is None or ks is None or vs is None:
@@ -76,7 +77,7 @@ def attention_rule(call):
     return OpStrategy(inputs=inputs, outputs=q_t, local=local)
 
 
-def call_variant(call):
+def call_variant(call: Any) -> Any:
     """(Variant, sinks or None) of an sdpa or "attention" call, for the interceptors that run their
     own kernels at it (ring, attention_masks)."""
     if call.name == "attention":
@@ -88,7 +89,7 @@ def call_variant(call):
     return Variant(bool(call.arg(5, "is_causal", False)), call.arg(6, "scale")), None
 
 
-def local_sinks(sinks, q_spec):
+def local_sinks(sinks: Any, q_spec: Any) -> Any:
     """The sink logits of the query heads this rank holds under ``q_spec`` (or None)."""
     if sinks is None:
         return None

@@ -13,22 +13,23 @@ Per mesh dim the common placement is chosen as:
 The cat dim itself is never sharded (pieces of it would interleave). ``stack`` inserts a new dim,
 so shards of dims at or after it move up by one.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.layout import numel, shard_orders
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Replicate
 
 
-def common_placements(specs, cat_dim, mesh):
+def common_placements(specs: Any, cat_dim: Any, mesh: Any) -> Any:
     """The layout every input takes (``cat_dim``: the dim that must stay whole, or None)."""
     chosen = []
     for m in range(mesh.ndim):
-        votes = {}
+        votes: dict[Any, Any] = {}
         for s in specs:
             p = s.placements[m]
             if p.is_shard() and p.dim != cat_dim:
                 votes[p] = votes.get(p, 0) + numel(s.shape)
         if votes:
-            chosen.append(max(votes, key=votes.get))
+            chosen.append(max(votes, key=lambda p: votes[p]))
             continue
         partial_ops = {s.placements[m] for s in specs if s.placements[m].is_partial()}
         chosen.append(partial_ops.pop() if len(partial_ops) == 1 else Replicate())
@@ -48,7 +49,7 @@ def _tensors_arg(call):
 
 
 @register_rule("cat", "stack")
-def cat_rule(call):
+def cat_rule(call: Any) -> Any:
     seq = _tensors_arg(call)
     if seq is None:
         return None

@@ -12,6 +12,7 @@ PyTorch DTensor; they then stay in step, since every rank draws the same number 
 price is a full-size draw on every rank. ``inplace=True`` runs at the aten level, where random
 ops draw the same way.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.layout import local_box
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Replicate
@@ -38,7 +39,7 @@ def _whole_mask_local(spec_placements):
 
 
 @register_rule("dropout")
-def dropout_rule(call):
+def dropout_rule(call: Any) -> Any:
     x = call.arg(0, "input")
     spec = call.spec(x)
     if spec is None or call.index(x) != 0 or call.arg(3, "inplace", False):

@@ -13,6 +13,7 @@ Each letter of the equation is one index; per mesh dim the candidates are:
 The cheapest candidate wins (strategy_search.py). Every operand split on a letter gets the same
 kind of shard, so their pieces line up; the local einsum is the equation itself.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.layout import numel, shard_orders
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.ops.strategy_search import pick
@@ -30,7 +31,7 @@ def _subscripts(term, ndim):
     return list(head) + [f"...{n - i}" for i in range(n)] + list(tail)
 
 
-def parse_equation(equation, ranks, out_ndim):
+def parse_equation(equation: Any, ranks: Any, out_ndim: Any) -> Any:
     """(the index list of every operand, the output's) or None if the equation does not parse."""
     if not isinstance(equation, str):
         return None
@@ -86,7 +87,7 @@ def _candidates(ops, out, specs, m, out_shape):
 
 
 @register_rule("einsum")
-def einsum_rule(call):
+def einsum_rule(call: Any) -> Any:
     operands = list(call.args[1:])
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = list(operands[0])
@@ -100,7 +101,8 @@ def einsum_rule(call):
     if parsed is None:
         return None
     ops, out = parsed
-    chosen_in, chosen_out = [[] for _ in specs], []
+    chosen_in: list[list[Any]] = [[] for _ in specs]
+    chosen_out: list[Any] = []
     for m in range(call.mesh_ndim):
         inputs, output = pick(_candidates(ops, out, specs, m, out_shape), [s.placements[m] for s in specs],
                               [numel(s.shape) for s in specs], call.mesh.size(m))

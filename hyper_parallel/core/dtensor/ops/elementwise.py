@@ -6,6 +6,7 @@ replicated. Partial inputs survive only through linear ops (sums of partials; a 
 replicated values); otherwise they are reduced — into the output's shard when there is one, which
 is one reduce-scatter.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.layout import numel
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Replicate
@@ -18,7 +19,7 @@ DIVIDES = {"div", "__truediv__", "true_divide", "__div__", "divide"}
 LINEAR_REDUCE_OPS = ("sum", "avg")
 
 
-def to_output(p, in_shape, out_shape):
+def to_output(p: Any, in_shape: Any, out_shape: Any) -> Any:
     """An input's placement seen in output dims (broadcast dims become Replicate)."""
     if not p.is_shard():
         return p
@@ -28,7 +29,7 @@ def to_output(p, in_shape, out_shape):
     return p.with_dim(out_dim)
 
 
-def to_input(p, in_shape, out_shape):
+def to_input(p: Any, in_shape: Any, out_shape: Any) -> Any:
     """The placement an input needs for the output placement ``p``."""
     if not p.is_shard():
         return p
@@ -57,7 +58,8 @@ def _linear_partial(op_name, operands, m):
     return None
 
 
-def elementwise_strategy(op_name, specs, operands, out_shape, mesh_ndim, force_out=None):
+def elementwise_strategy(op_name: str, specs: Any, operands: Any, out_shape: Any, mesh_ndim: Any,
+                         force_out: Any = None) -> Any:
     """Placements for every spec (the DTensor inputs) and the output.
 
     ``operands``: the positional operands as specs (None for numbers), for the linearity test.
@@ -65,7 +67,8 @@ def elementwise_strategy(op_name, specs, operands, out_shape, mesh_ndim, force_o
     """
     sizes = [numel(s.shape) for s in specs]
     anchor_order = sorted(range(len(specs)), key=lambda i: -sizes[i])
-    out, source = [], []
+    out: list[Any] = []
+    source: list[Any] = []
     for m in range(mesh_ndim):
         if force_out is not None:
             out.append(force_out[m])
@@ -102,14 +105,14 @@ def _operands(call):
             for a in call.args if not isinstance(a, (str, type(None)))]
 
 
-def linearity_name(name, kwargs):
+def linearity_name(name: str, kwargs: Any) -> Any:
     """The name the Partial linearity test goes by: a division that rounds (``rounding_mode``) is not
     linear, so it must not pass for ``div``."""
     return f"{name}[rounded]" if kwargs.get("rounding_mode") is not None else name
 
 
 @register_rule("elementwise")
-def elementwise_rule(call):
+def elementwise_rule(call: Any) -> Any:
     if not call.specs:
         return None
     name = linearity_name(get_platform().op_display_name(call.func), call.kwargs)

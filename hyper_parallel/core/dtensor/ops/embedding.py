@@ -16,6 +16,7 @@ the rank that holds that row. ``max_norm`` (renormalises weight rows in place),
 ``scale_grad_by_freq`` (counts per batch) and ``sparse`` gradients have no rule: those calls take
 the replicated fallback.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Partial, Replicate
 
@@ -30,7 +31,7 @@ def _values(args, kwargs):
 
 
 @register_rule("embedding")
-def embedding_rule(call):
+def embedding_rule(call: Any) -> Any:
     v = _values(call.args, call.kwargs)
     ids, weight = v["input"], v["weight"]
     ids_spec, w_spec = call.spec(ids), call.spec(weight)
@@ -39,7 +40,10 @@ def embedding_rule(call):
     if v["max_norm"] is not None or v["scale_grad_by_freq"] or v["sparse"]:
         return None
     out_ndim = ids_spec.ndim + 1
-    ids_t, w_t, out, vocab_mesh_dims = [], [], [], []
+    ids_t: list[Any] = []
+    w_t: list[Any] = []
+    out: list[Any] = []
+    vocab_mesh_dims: list[int] = []
     for m in range(call.mesh_ndim):
         pi, pw = ids_spec.placements[m], w_spec.placements[m]
         if pw.is_shard(0):
@@ -56,7 +60,7 @@ def embedding_rule(call):
             ids_t.append(keep_ids)
             w_t.append(Replicate())
             out.append(keep_ids)
-    inputs = [None] * len(call.specs)
+    inputs: list[Any] = [None] * len(call.specs)
     inputs[call.index(ids)], inputs[call.index(weight)] = tuple(ids_t), tuple(w_t)
     local = None
     if vocab_mesh_dims:

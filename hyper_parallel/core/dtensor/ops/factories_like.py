@@ -8,6 +8,7 @@
 * Otherwise the output is a Replicate tensor of the requested size, made on every rank from its
   own shard (only dtype / device are read from it): nothing is gathered.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Replicate
 
@@ -21,7 +22,7 @@ def _size_and_rest(name, args):
 
 
 @register_rule("new_factory")
-def new_factory_rule(call):
+def new_factory_rule(call: Any) -> Any:
     x = call.args[0] if call.args else None
     spec = call.spec(x)
     if spec is None or call.index(x) != 0 or len(call.specs) != 1:

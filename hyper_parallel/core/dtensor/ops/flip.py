@@ -5,12 +5,13 @@ n-1-i, and torch.chunk's uneven pieces do not mirror (7 rows on 4 ranks: 2,2,2,1
 shard is kept, and a Partial passes through (flip only moves values). It reaches DTensors in the
 backward of cumsum and as ``torch.flip``.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.ops.gather_dims import gather_dims
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 
 
 @register_rule("flip")
-def flip_rule(call):
+def flip_rule(call: Any) -> Any:
     x, dims = call.arg(0, "input"), call.arg(1, "dims")
     spec = call.spec(x)
     if spec is None or call.index(x) != 0 or not isinstance(dims, (list, tuple)):

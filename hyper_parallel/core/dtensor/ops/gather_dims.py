@@ -4,10 +4,11 @@ Shared by the ops that gather the dims they work along (whole_dim.py: argmax, so
 split, narrow, indexing; vector_norm.py's inf norms) and keep every other shard, moved to where its
 dim lands in the output.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.placement_types import Replicate
 
 
-def gather_dims(spec, dims, out_dim_of, partial_stays=False):
+def gather_dims(spec: Any, dims: Any, out_dim_of: Any, partial_stays: bool = False) -> Any:
     """(input placements, output placements): shards of ``dims`` are replicated; other shards kept
     and moved by ``out_dim_of`` (input dim -> output dim). A Partial is reduced first, unless
     ``partial_stays`` (an op that only moves data, so a pending sum / max passes through it)."""

@@ -20,6 +20,7 @@ runs on the local pieces as it is. Per mesh dim, in order of preference:
   split on one dim e != d where both have the same size, the (1-D) index and value replicated;
   otherwise replicated. Their in-place forms run through these rules (aten_rules.py).
 """
+from typing import Any
 import functools
 
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
@@ -94,7 +95,7 @@ _REPLICATED = (Replicate(), Replicate(), Replicate())
 
 
 @_indexing_rule("index_select")
-def index_select_rule(call, x, d, index, _):
+def index_select_rule(call: Any, x: Any, d: Any, index: Any, _: Any) -> Any:
     index_1d = index.ndim == 1
 
     def choose(px, pj):
@@ -115,7 +116,7 @@ def _aligned(specs, p, d):
 
 
 @_indexing_rule("gather")
-def gather_rule(call, x, d, index, _):
+def gather_rule(call: Any, x: Any, d: Any, index: Any, _: Any) -> Any:
     xs, js = call.spec(x), call.spec(index)
     if js is None or js.ndim != xs.ndim:
         return None
@@ -134,7 +135,7 @@ def gather_rule(call, x, d, index, _):
 
 
 @_indexing_rule("scatter", third=lambda call: "src" if call.arg(3, "src") is not None else "value")
-def scatter_rule(call, x, d, index, src):
+def scatter_rule(call: Any, x: Any, d: Any, index: Any, src: Any) -> Any:
     specs = [call.spec(t) for t in (x, index, src) if call.spec(t) is not None]
     if any(s.ndim != specs[0].ndim for s in specs):
         return None

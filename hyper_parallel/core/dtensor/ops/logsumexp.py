@@ -13,6 +13,7 @@ rank holds the whole gradient), after which the local gradient ``softmax(x)`` ne
 A rank whose piece of a reduced dim is empty (uneven shards) has no local max: that mesh dim is
 gathered instead. A Partial input is reduced first.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.ops.reductions import (
     _some_piece_empty, combined_reduction_layout, reduced_dims)
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
@@ -20,7 +21,7 @@ from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.platform import get_platform
 
 
-def split_reduction_layout(spec, reduced, keepdim):
+def split_reduction_layout(spec: Any, reduced: Any, keepdim: Any) -> Any:
     """combined_reduction_layout, except that a split leaving some rank an empty piece of a reduced
     dim is gathered (that rank would have no local max)."""
     inputs, outputs, mesh_dims = combined_reduction_layout(spec, reduced, keepdim)
@@ -31,7 +32,7 @@ def split_reduction_layout(spec, reduced, keepdim):
 
 
 @register_rule("logsumexp")
-def logsumexp_rule(call):
+def logsumexp_rule(call: Any) -> Any:
     x = call.arg(0, "input")
     spec = call.spec(x)
     dim = call.arg(1, "dim")

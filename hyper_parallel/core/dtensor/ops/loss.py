@@ -23,6 +23,7 @@ The class dim is dim 1 of the logits (dim 0 for 1-D logits).
   loss = log(s) * sum_c t_c - sum_c t_c (x_c - m), with t smoothed first.
   ``weight=`` and the legacy ``size_average``/``reduce`` arguments take the replicated path.
 """
+from typing import Any
 import threading
 
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
@@ -36,15 +37,15 @@ _DEFAULTS = {"ignore_index": -100, "reduction": "mean", "label_smoothing": 0.0}
 _state = threading.local()
 
 
-def enter_loss_parallel():
+def enter_loss_parallel() -> None:
     _state.depth = getattr(_state, "depth", 0) + 1
 
 
-def exit_loss_parallel():
+def exit_loss_parallel() -> None:
     _state.depth = max(getattr(_state, "depth", 0) - 1, 0)
 
 
-def loss_parallel_enabled():
+def loss_parallel_enabled() -> bool:
     return getattr(_state, "depth", 0) > 0
 
 
@@ -64,7 +65,7 @@ def _replicated(call):
 
 
 @register_rule("cross_entropy", cacheable=False)  # reads whether loss_parallel() is on
-def cross_entropy_rule(call):
+def cross_entropy_rule(call: Any) -> Any:
     v = _values(call.args, call.kwargs)
     x, target = v["input"], v["target"]
     xs = call.spec(x)
@@ -87,7 +88,7 @@ def cross_entropy_rule(call):
     if not _vocab_parallel_arguments_valid(v, xs, target_shape, soft, class_dim):
         return _replicated(call)   # the framework's own op raises its own error on whole tensors
     x_t = tuple(xs.placements[m] if m == vocab_mesh_dim else Replicate() for m in range(call.mesh_ndim))
-    inputs = [None] * len(call.specs)
+    inputs: list[Any] = [None] * len(call.specs)
     inputs[call.index(x)] = x_t
     if ts is not None:
         inputs[call.index(target)] = x_t if soft else tuple(Replicate() for _ in range(call.mesh_ndim))

@@ -5,6 +5,7 @@ Per mesh dim the candidates are: everything replicated; a shared batch dim split
 Partial(sum) output; or one Partial operand times a replicated one. The cheapest wins (see
 strategy_search.py), so a shard already in place is kept and nothing moves when it need not.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.layout import numel
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.ops.strategy_search import pick
@@ -92,7 +93,7 @@ def _operand_placements(call, a_spec, b_spec, dims, out_shape):
 
 
 @register_rule("matmul", "rmatmul")
-def matmul_rule(call):
+def matmul_rule(call: Any) -> Any:
     a, b = call.args[0], call.args[1]
     if call.name == "rmatmul":
         a, b = b, a
@@ -110,7 +111,7 @@ def matmul_rule(call):
 
 
 @register_rule("linear")
-def linear_rule(call):
+def linear_rule(call: Any) -> Any:
     x, w, bias = call.arg(0, "input"), call.arg(1, "weight"), call.arg(2, "bias")
     x_spec, w_spec = call.spec(x), call.spec(w)
     if x_spec is None or w_spec is None or w_spec.ndim != 2:

@@ -6,6 +6,7 @@ the square is not linear). Reduction "none" keeps that layout; "sum" makes each 
 the GLOBAL element count (exact for uneven shards, empty pieces included). The legacy
 ``size_average`` / ``reduce`` arguments take the replicated path.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.ops.elementwise import elementwise_strategy
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Partial, Replicate
@@ -21,7 +22,7 @@ def _values(args, kwargs):
 
 
 @register_rule("mse_loss")
-def mse_loss_rule(call):
+def mse_loss_rule(call: Any) -> Any:
     v = _values(call.args, call.kwargs)
     operands = [call.spec(v[k]) for k in ("input", "target", "weight") if v[k] is not None]
     rep = (Replicate(),) * call.mesh_ndim

@@ -14,6 +14,7 @@ dims. Per mesh dim:
   Partial.
 The legacy ``size_average`` / ``reduce`` arguments take the replicated path.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Partial, Replicate
 from hyper_parallel.platform import get_platform
@@ -48,7 +49,7 @@ def _placements(xs, ts, cdim, reduction):
 
 
 @register_rule("nll_loss")
-def nll_loss_rule(call):
+def nll_loss_rule(call: Any) -> Any:
     v = _values(call.args, call.kwargs)
     x, t, w = v["input"], v["target"], v["weight"]
     xs, ts = call.spec(x), call.spec(t)

@@ -7,6 +7,7 @@ Partial input is reduced to Replicate first (normalisation is not linear). ``wei
 ``bias`` are replicated; with a sharded input their gradients come back as Partial(sum) and are
 summed where needed (the dispatcher's gradient semantics).
 """
+from typing import Any
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Replicate
 
@@ -15,7 +16,7 @@ _ARGS = {"layer_norm": ("input", "normalized_shape", "weight", "bias", "eps"),
 
 
 @register_rule("layer_norm", "rms_norm")
-def norm_rule(call):
+def norm_rule(call: Any) -> Any:
     names = _ARGS[call.name]
     x = call.arg(0, names[0])
     spec = call.spec(x)

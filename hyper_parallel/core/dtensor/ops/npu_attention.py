@@ -25,6 +25,7 @@ not divisible by the ranks splitting them, an unknown layout, sequence splits wi
 ``padding_mask``, prefix modes (5-8), or a TND explicit mask; TND cumulative lengths that do not
 cover T.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.layout import numel
 from hyper_parallel.core.attention.npu_args import (NpuAttentionArgs, NpuAttentionGeometry,
                                                                 packed_sequence_ends)
@@ -46,7 +47,7 @@ def _keep(p, dim):
 
 
 @register_rule("npu_fusion_attention")
-def npu_fusion_attention_rule(call):
+def npu_fusion_attention_rule(call: Any) -> Any:
     a = NpuAttentionArgs(call.args, call.kwargs)
     q, k, v = a["query"], a["key"], a["value"]
     specs = qs, ks, vs = call.spec(q), call.spec(k), call.spec(v)
@@ -74,7 +75,7 @@ def npu_fusion_attention_rule(call):
         _check_seq_split(a, geo, mode)
     _check_head_split(geo, sizes, q_t)
 
-    inputs = [None] * len(call.specs)
+    inputs: list[Any] = [None] * len(call.specs)
     inputs[call.index(q)], inputs[call.index(k)], inputs[call.index(v)] = tuple(q_t), tuple(k_t), tuple(v_t)
     for name in ("atten_mask", "actual_seq_qlen", "actual_seq_kvlen"):
         i = call.index(a[name])

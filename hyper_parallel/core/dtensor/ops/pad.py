@@ -6,6 +6,7 @@ pad (padding is then linear: the pieces' zeros reduce to zero); a non-zero value
 once per rank, so the Partial is reduced first. Other modes (reflect, replicate, circular) read
 neighbouring values across the edge: the replicated fallback.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.ops.gather_dims import gather_dims
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 
@@ -20,7 +21,7 @@ def _mode_and_value(call):
 
 
 @register_rule("pad")
-def pad_rule(call):
+def pad_rule(call: Any) -> Any:
     x, pad = call.arg(0, "input", call.kwargs.get("self")), call.arg(1, "pad")
     spec = call.spec(x)
     mode, value = _mode_and_value(call)

@@ -20,6 +20,7 @@ Per mesh dim, for the input placement ``p``:
   ``Replicate`` first (a local amax of a partial value would send gradients to every rank's
   local winner).
 """
+from typing import Any
 import functools
 import itertools
 import math
@@ -32,7 +33,7 @@ from hyper_parallel.platform import get_platform
 _LINEAR_PARTIAL = ("sum", "avg")
 
 
-def reduced_dims(dim, ndim):
+def reduced_dims(dim: Any, ndim: Any) -> Any:
     """The sorted, non-negative input dims a reduction with ``dim`` removes (None / () = all)."""
     if ndim == 0:
         return []
@@ -58,7 +59,7 @@ def _keepdim_arg(call):
     return bool(call.kwargs.get("keepdim", call.kwargs.get("keepdims", False)))
 
 
-def output_dim(d, reduced, keepdim):
+def output_dim(d: Any, reduced: Any, keepdim: Any) -> Any:
     """Where input dim ``d`` (not reduced) sits in the output."""
     return d if keepdim else d - sum(1 for r in reduced if r < d)
 
@@ -78,7 +79,7 @@ def _any_empty(shape, placements, mesh_shape, dims):
     return False
 
 
-def combined_reduction_layout(spec, reduced, keepdim):
+def combined_reduction_layout(spec: Any, reduced: Any, keepdim: Any) -> Any:
     """(input placements, output placements, mesh dims that split a reduced dim) of a non-linear
     reduction whose split dims are combined inside the op (logsumexp, var / std): those stay split
     and give a Replicate output; shards of other dims move to their output dim; Partials are
@@ -99,7 +100,7 @@ def combined_reduction_layout(spec, reduced, keepdim):
 
 
 @register_rule("sum", "mean", "amax", "amin")
-def reduction_rule(call):
+def reduction_rule(call: Any) -> Any:
     return _reduction(call, call.name)
 
 
@@ -150,7 +151,7 @@ def _reduction(call, kind):
 
 
 @register_rule("max", "min")
-def max_min_rule(call):
+def max_min_rule(call: Any) -> Any:
     """``max(x)``: like amax over every dim. ``max(x, other)``: elementwise. ``max(x, dim)``:
     (values, indices) over a dim that must be whole (a mesh dim sharding it is gathered; the
     indices are then global), other shards kept."""

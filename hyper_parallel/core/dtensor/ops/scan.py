@@ -7,13 +7,14 @@ stays sharded. An empty (uneven) piece has a zero total. Nested or strided split
 gathered instead. cumsum is linear, so a Partial(sum / avg) input stays Partial; other Partials are
 reduced first. (docs/dtensor.md walks through this rule as its worked example.)
 """
+from typing import Any
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
 from hyper_parallel.platform import get_platform
 
 
 @register_rule("cumsum")
-def cumsum_rule(call):
+def cumsum_rule(call: Any) -> Any:
     x = call.arg(0, "input")
     spec = call.spec(x)
     dim = call.arg(1, "dim")
@@ -24,16 +25,16 @@ def cumsum_rule(call):
     scan = [m for m, p in enumerate(spec.placements) if p.is_shard(dim)]
     if len(scan) != 1 or type(spec.placements[scan[0]]) is not Shard:
         scan = []
-    placements = []
+    placements: list[Any] = []
     for m, p in enumerate(spec.placements):
         if p.is_shard(dim) and m not in scan:
             p = Replicate()                            # gather this split of `dim`
         elif p.is_partial() and p.reduce_op not in ("sum", "avg"):
             p = Replicate()
         placements.append(p)
-    placements = tuple(placements)
+    placements_t = tuple(placements)
     local = _scan_across(call.mesh, scan[0], dim) if scan else None
-    return OpStrategy(inputs=[placements], outputs=placements, local=local)
+    return OpStrategy(inputs=[placements_t], outputs=placements_t, local=local)
 
 
 def _scan_across(mesh, mesh_dim, dim):

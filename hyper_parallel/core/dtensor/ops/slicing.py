@@ -9,6 +9,7 @@ These ops only move data, so a Partial input of any reduce op stays Partial.
 Indexing with tensors, lists or bools (advanced indexing) has no rule: the call takes the
 replicated fallback.
 """
+from typing import Any, Optional
 from hyper_parallel.core.dtensor.ops.gather_dims import gather_dims
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 
@@ -35,7 +36,7 @@ def _whole_local(dim, as_tuple):
 
 
 @register_rule("split", "chunk")
-def split_rule(call):
+def split_rule(call: Any) -> Any:
     spec = _source(call)
     if spec is None:
         return None
@@ -52,7 +53,7 @@ def split_rule(call):
 
 
 @register_rule("tensor_split")
-def tensor_split_rule(call):
+def tensor_split_rule(call: Any) -> Any:
     """tensor_split with a DTensor of split indices: torch reads the indices' values from memory
     on the host, which a DTensor wrapper does not have (torch would fail with an unallocated-data
     error); every other spelling goes down to the aten split / slice ops (None)."""
@@ -64,7 +65,7 @@ def tensor_split_rule(call):
 
 
 @register_rule("unbind")
-def unbind_rule(call):
+def unbind_rule(call: Any) -> Any:
     spec = _source(call)
     if spec is None:
         return None
@@ -74,7 +75,7 @@ def unbind_rule(call):
 
 
 @register_rule("narrow")
-def narrow_rule(call):
+def narrow_rule(call: Any) -> Any:
     spec = _source(call)
     if spec is None:
         return None
@@ -107,7 +108,7 @@ def _basic_item(item):
     return False
 
 
-def expand_index(index, ndim):
+def expand_index(index: Any, ndim: Any) -> Any:
     """The index as a list with Ellipsis expanded and trailing dims made explicit, or None when it
     is not basic indexing (tensors, lists, bools)."""
     items = list(index) if isinstance(index, tuple) else [index]
@@ -123,9 +124,10 @@ def expand_index(index, ndim):
     return items + fill
 
 
-def index_dims(items):
+def index_dims(items: Any) -> Any:
     """{input dim: (output dim or None, item)} for an expanded basic index."""
-    mapping, in_dim, out_dim = {}, 0, 0
+    mapping: dict[int, tuple[Optional[int], Any]] = {}
+    in_dim, out_dim = 0, 0
     for item in items:
         if item is None:
             out_dim += 1
@@ -144,7 +146,7 @@ def _is_whole(item, size):
 
 
 @register_rule("getitem")
-def getitem_rule(call):
+def getitem_rule(call: Any) -> Any:
     spec = _source(call)
     if spec is None or len(call.args) < 2:
         return None
@@ -156,7 +158,8 @@ def getitem_rule(call):
     inputs, outputs = gather_dims(spec, touched, lambda d: mapping[d][0], partial_stays=True)
     kept = {p.dim for p in inputs if p.is_shard()}
     # the kept sharded dims are whole slices: on the local shard they become plain ':'
-    local_items, in_dim = [], 0
+    local_items: list[Any] = []
+    in_dim = 0
     for item in items:
         if item is None:
             local_items.append(None)

@@ -1,10 +1,11 @@
 """softmax / log_softmax: the normalised dim must be whole on each rank."""
+from typing import Any
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.placement_types import Replicate
 
 
 @register_rule("softmax")
-def softmax_rule(call):
+def softmax_rule(call: Any) -> Any:
     spec = call.specs[0]
     dim = call.arg(1, "dim")
     if dim is None or call.index(call.args[0]) != 0:
@@ -15,7 +16,7 @@ def softmax_rule(call):
 
 
 @register_rule("softmax_backward")
-def softmax_backward_rule(call):
+def softmax_backward_rule(call: Any) -> Any:
     """aten ``_softmax_backward_data(grad_output, output, dim, input_dtype)`` (softmin's and
     ``_safe_softmax``'s gradients reach it on DTensors): both tensors whole along ``dim`` and in one
     layout; it is linear in grad_output only, so a Partial is reduced first."""

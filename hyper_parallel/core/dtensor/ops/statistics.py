@@ -15,12 +15,13 @@ is how torch's own var backward treats it); var_mean's mean output keeps its gra
 (uneven, ``torch.chunk``) pieces add zero to both sums. ``std``'s gradient is zero where std is
 zero, as torch's. A Partial input is reduced first (the variance is not linear).
 """
+from typing import Any
 from hyper_parallel.core.dtensor.ops.reductions import combined_reduction_layout, reduced_dims
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.platform import get_platform
 
 
-def parse_variance_args(args, kwargs):
+def parse_variance_args(args: Any, kwargs: Any) -> Any:
     """(dim, correction, keepdim) of var(x, dim=None, *, correction, keepdim), var(x, dim, unbiased,
     keepdim) or var(x, unbiased); None for a spelling this rule does not read."""
     rest = list(args[1:])
@@ -44,7 +45,7 @@ def parse_variance_args(args, kwargs):
 
 
 @register_rule("var", "std", "var_mean", "std_mean")
-def variance_rule(call):
+def variance_rule(call: Any) -> Any:
     x = call.arg(0, "input")
     spec = call.spec(x)
     parsed = parse_variance_args(call.args, call.kwargs)

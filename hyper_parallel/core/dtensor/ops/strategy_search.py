@@ -4,9 +4,10 @@ A candidate says which placement each input needs and what the output then is. I
 bytes the inputs must move to get there; ties go to the candidate that changes the fewest inputs,
 then to the earlier one (rules list the preferred layouts first).
 """
+from typing import Any
 
 
-def move_cost(src, dst, numel, n):
+def move_cost(src: Any, dst: Any, numel: Any, n: Any) -> Any:
     """Elements one rank sends to move a tensor of ``numel`` elements from ``src`` to ``dst``."""
     if src == dst or (src.is_replicate() and not dst.is_replicate() and not src.is_partial()):
         return 0
@@ -19,7 +20,7 @@ def move_cost(src, dst, numel, n):
     return 0
 
 
-def pick(candidates, current, numels, n):
+def pick(candidates: Any, current: Any, numels: Any, n: Any) -> Any:
     """``candidates``: [(input placements list, output placement)] for one mesh dim."""
     best, best_key = None, None
     for order, (inputs, out) in enumerate(candidates):

@@ -16,6 +16,7 @@ What ``op`` may be:
   that level: register it by name.)
 - a list of these.
 """
+from typing import Any
 from hyper_parallel.core.dtensor.dispatch import decision_cache
 from hyper_parallel.core.dtensor.ops import registry
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy
@@ -28,11 +29,11 @@ from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.core.dtensor.spec import DTensorSpec
 from hyper_parallel.platform import get_platform
 
-_BY_NAME = {}    # neutral op name -> user function (consulted before the built-in rules)
-_BY_OP = {}      # op object (aten level) -> user function
+_BY_NAME: dict[Any, Any] = {}    # neutral op name -> user function (consulted before the built-in rules)
+_BY_OP: dict[Any, Any] = {}      # op object (aten level) -> user function
 
 
-def register_sharding(op):
+def register_sharding(op: Any) -> Any:
     """Decorator registering a sharding strategy function for ``op`` (see the module docstring)."""
     ops = list(op) if isinstance(op, (list, tuple)) else [op]
 
@@ -48,7 +49,7 @@ def register_sharding(op):
     return wrapper
 
 
-def unregister_sharding(op):
+def unregister_sharding(op: Any) -> None:
     """Remove the registrations of ``op`` (a name, an op object or a list); the built-in rule, if
     any, applies again."""
     for o in list(op) if isinstance(op, (list, tuple)) else [op]:
@@ -57,18 +58,18 @@ def unregister_sharding(op):
     decision_cache.clear()
 
 
-def user_rule(name):
+def user_rule(name: str) -> Any:
     """The rule wrapping the user function registered under ``name``, or None."""
     fn = _BY_NAME.get(name)
     return None if fn is None else (lambda call: strategy(fn, name, call.args, call.kwargs, call.dtensors,
                                                           call.mesh, lambda: call.out_shapes))
 
 
-def user_op_function(op):
+def user_op_function(op: Any) -> Any:
     return _BY_OP.get(op) if _BY_OP else None
 
 
-def strategy(fn, name, args, kwargs, dtensors, mesh, out_shapes):
+def strategy(fn: Any, name: str, args: Any, kwargs: Any, dtensors: Any, mesh: Any, out_shapes: Any) -> Any:
     """The OpStrategy the user function ``fn`` gives this call: inputs per DTensor of ``dtensors``
     (a DTensor not among the positional arguments is replicated), outputs per output."""
     to_spec = (lambda a: a._spec if isinstance(a, DTensor) else a)
@@ -76,8 +77,8 @@ def strategy(fn, name, args, kwargs, dtensors, mesh, out_shapes):
     positions = [i for i, a in enumerate(args) if isinstance(a, DTensor)]
     _check(name, options, args)
     shapes = out_shapes()
-    chosen_in = {i: [] for i in positions}
-    chosen_out = [[] for _ in shapes]
+    chosen_in: Any = {i: [] for i in positions}
+    chosen_out: Any = [[] for _ in shapes]
     for m in range(mesh.ndim):
         candidates = [([_norm(ins[i], args[i].ndim) for i in positions],
                        [_norm(p, len(s)) for p, s in zip(outs, shapes)]) for outs, ins in options]
@@ -113,7 +114,7 @@ def _check(name, options, args):
                              f"argument (None for a non-tensor)")
 
 
-def run_user_op(fn, func, args, kwargs):
+def run_user_op(fn: Any, func: Any, args: Any, kwargs: Any) -> Any:
     """An op below autograd with a registered strategy: inputs moved to the chosen layout, the op
     run on the shards, its tensor outputs wrapped in the chosen placements (global shapes from a
     meta run)."""

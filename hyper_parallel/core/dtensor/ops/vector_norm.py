@@ -12,6 +12,7 @@ from per-rank pieces:
   is not what a per-rank max-and-route gives.)
 A Partial input is reduced first.
 """
+from typing import Any
 import math
 
 from hyper_parallel.core.dtensor.ops.logsumexp import split_reduction_layout
@@ -28,7 +29,7 @@ def _value(call, i, default):
 
 
 @register_rule("vector_norm")
-def vector_norm_rule(call):
+def vector_norm_rule(call: Any) -> Any:
     if "out" in call.kwargs:
         return None
     return _norm_strategy(call, _value(call, 0, None), _value(call, 1, 2), _value(call, 2, None),
@@ -36,7 +37,7 @@ def vector_norm_rule(call):
 
 
 @register_rule("norm")
-def norm_rule(call):
+def norm_rule(call: Any) -> Any:
     """``torch.norm`` / ``Tensor.norm(p="fro", dim=None, keepdim=False)``: a vector norm whenever
     torch computes one (a number ``p``; ``"fro"`` over at most two dims is the 2-norm); matrix norms
     ("nuc", or "fro" over more dims) take the fallback."""

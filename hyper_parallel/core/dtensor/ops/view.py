@@ -4,6 +4,7 @@ dim permutations (transpose, permute, movedim, t).
 A reshape keeps a shard when the sharded dim is the outermost of the dims it merges into or
 splits from, and the split stays even; otherwise that mesh dim is gathered first.
 """
+from typing import Any
 import math
 
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
@@ -12,9 +13,10 @@ from hyper_parallel.core.dtensor.layout import local_box
 from hyper_parallel.platform import get_platform
 
 
-def reshape_groups(in_shape, out_shape):
+def reshape_groups(in_shape: Any, out_shape: Any) -> Any:
     """Pair runs of input dims with runs of output dims of equal product."""
-    groups, i, j = [], 0, 0
+    groups: list[Any] = []
+    i, j = 0, 0
     n_in, n_out = len(in_shape), len(out_shape)
     while i < n_in or j < n_out:
         if i < n_in and in_shape[i] == 1 and (j >= n_out or out_shape[j] != 1):
@@ -46,7 +48,7 @@ def _shards_of(placements, dim, mesh):
     return math.prod(mesh.size(m) for m, p in enumerate(placements) if p.is_shard(dim))
 
 
-def reshape_placements(spec, out_shape, mesh):
+def reshape_placements(spec: Any, out_shape: Any, mesh: Any) -> Any:
     """(input placements, output placements) for reshaping ``spec`` to ``out_shape``."""
     groups = reshape_groups(spec.shape, out_shape)
     where = {}
@@ -78,7 +80,7 @@ def _local_shape(mesh, placements, shape):
 
 
 @register_rule("view")
-def view_rule(call):
+def view_rule(call: Any) -> Any:
     src = call.specs[0] if call.index(call.args[0]) == 0 else None
     if src is None:
         return None
@@ -88,11 +90,12 @@ def view_rule(call):
 
     def view_local_piece(call_, args, kwargs):
         return args[0].reshape(local_out)
-    return OpStrategy(inputs=[inputs] + [None] * (len(call.specs) - 1), outputs=outputs, local=view_local_piece)
+    return OpStrategy(inputs=[inputs] + [None] * (len(call.specs) - 1), outputs=outputs,
+                      local=view_local_piece)
 
 
 @register_rule("expand")
-def expand_rule(call):
+def expand_rule(call: Any) -> Any:
     src = call.specs[0]
     out_shape = call.out_shapes[0]
     lead = len(out_shape) - src.ndim
@@ -142,7 +145,7 @@ def _permutation(call, ndim):
 
 
 @register_rule("transpose", "permute", "movedim", "t")
-def permute_rule(call):
+def permute_rule(call: Any) -> Any:
     src = call.specs[0]
     perm = _permutation(call, src.ndim)
     outputs = tuple(p.with_dim(perm.index(p.dim)) if p.is_shard() else p for p in src.placements)
@@ -157,7 +160,7 @@ def _casts_to_floating(call):
 
 
 @register_rule("identity", "cast")
-def identity_rule(call):
+def identity_rule(call: Any) -> Any:
     """Copies and casts keep the layout. A Partial value survives a cast to a floating dtype (sums
     commute with it up to rounding) but not to an integer or bool one (truncating each piece is not
     truncating the sum): there it is reduced first."""
@@ -173,7 +176,7 @@ def identity_rule(call):
 
 
 @register_rule("view_as_real", "view_as_complex")
-def complex_view_rule(call):
+def complex_view_rule(call: Any) -> Any:
     """view_as_real appends a dim of 2 (real, imaginary); view_as_complex folds it away, so that dim
     must be whole. Other shards keep their dims, and a Partial stays Partial (both are linear)."""
     x = call.args[0] if call.args else call.kwargs.get("input")

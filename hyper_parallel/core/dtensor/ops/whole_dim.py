@@ -10,6 +10,7 @@ An exact cross-rank alternative exists for some (a max-loc all-reduce for argmax
 per-rank products for prod); gathering one dim is what they would save, and the layout of every
 other dim is kept. (cumprod has no rule yet: tests use it as the example of an op without one.)
 """
+from typing import Any
 from hyper_parallel.core.dtensor.ops.gather_dims import gather_dims
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 
@@ -30,7 +31,7 @@ def _plain_int(v):
 
 
 @register_rule(*_SIGNATURES)
-def whole_dim_rule(call):
+def whole_dim_rule(call: Any) -> Any:
     x = call.arg(0, "input")
     spec = call.spec(x)
     if spec is None or call.index(x) != 0:

@@ -1,5 +1,5 @@
-"""What both gradient reducers of data parallelism share (data_parallel.py's hooks, data_parallel_tuple.py's
-MindSpore tuple form): the mesh checks and the ``no_sync`` switch."""
+"""What data_parallel's gradient reducers share (reducer.py's hooks, api.py's tuple form for MindSpore): the
+mesh checks, the ``no_sync`` switch, the ranks' agreement on the parameters and backward count."""
 import contextlib
 
 from hyper_parallel.core.agreement import check_agreement
@@ -29,8 +29,8 @@ def check_disjoint_meshes(param, dp_mesh, name):
 
 
 class Switchable:
-    """``enabled`` and ``no_sync()``, the switch both gradient reducers (this file's and
-    data_parallel_tuple.py's) share."""
+    """``enabled`` and ``no_sync()``, the switch both gradient reducers (reducer.py's and api.py's)
+    share."""
     enabled = True
 
     @contextlib.contextmanager
