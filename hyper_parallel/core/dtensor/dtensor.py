@@ -175,6 +175,14 @@ class EntryPoints:
     by ``hyper_parallel.core.dtensor``'s ``__init__`` (``bind``)."""
     __slots__ = ("function", "replicated", "aten", "fused", "describe", "checkpoint_box", "rebuild",
                  "redistribute_cast")
+    function: Callable[..., Any]
+    replicated: Callable[..., Any]
+    aten: Callable[..., Any]
+    fused: Callable[..., Any]
+    describe: Callable[..., Any]
+    checkpoint_box: Callable[..., Any]
+    rebuild: Callable[..., Any]
+    redistribute_cast: Callable[..., Any]
 
     def __init__(self) -> None:
         for field in self.__slots__:
