@@ -36,7 +36,7 @@
 from typing import Any
 
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
-from hyper_parallel.core.bounded_cache import BoundedCache
+from hyper_parallel.core.bounded_cache import BoundedCache, lifetime_key
 from hyper_parallel.core.context_parallel.movement.kv_all_gather import KVAllGather
 from hyper_parallel.core.context_parallel.movement.steps import Block, shared_step
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
@@ -62,12 +62,10 @@ _INPUT = BoundedCache(4096)
 def input_placements(mesh: Any, ndim: Any, seq_dim: Any, cp_dims: Any, other: Any = None) -> Any:
     """Contiguous sequence blocks over ``cp_dims`` (outer first), plus ``other`` placements.
     Cached per arguments (every ContextParallel call asks, with the same few each step)."""
-    key = (id(mesh), ndim, seq_dim, tuple(cp_dims), None if other is None else tuple(other))
-    hit = _INPUT.get(key)
-    if hit is not None and hit[0] is mesh:
-        return hit[1]
-    found = _input_placements(mesh, ndim, seq_dim, cp_dims, other)
-    _INPUT[key] = (mesh, found)   # holds the mesh: its id cannot be reused while the entry lives
+    key = (lifetime_key(mesh), ndim, seq_dim, tuple(cp_dims), None if other is None else tuple(other))
+    found = _INPUT.get(key)
+    if found is None:
+        found = _INPUT[key] = _input_placements(mesh, ndim, seq_dim, cp_dims, other)
     return found
 
 
@@ -244,11 +242,11 @@ class _Moves:
 
 
 def _moves(mesh, locals_, placements, shapes, seq, head, ulysses_dims, gather_dims):
-    key = (id(mesh), tuple(tuple(p) for p in placements), tuple(tuple(s) for s in shapes),
+    key = (lifetime_key(mesh), tuple(tuple(p) for p in placements), tuple(tuple(s) for s in shapes),
            tuple((tuple(t.shape), t.dtype) for t in locals_), seq, head, tuple(ulysses_dims),
            tuple(gather_dims))
     moves = _MOVES.get(key)
-    if moves is not None and moves.mesh is mesh:
+    if moves is not None:
         return moves
     ndim = len(shapes[0])
     targets = [mode_placements(p, mesh, ndim, seq, head, ulysses_dims, gather_dims) for p in placements]
@@ -260,7 +258,7 @@ def _moves(mesh, locals_, placements, shapes, seq, head, ulysses_dims, gather_di
         fused = QKVAllToAll.plan(mesh, shapes, placements, staged, [tuple(t.shape) for t in locals_],
                                  [t.dtype for t in locals_], pending)
     moves = _MOVES[key] = _Moves(remember_mesh(mesh), staged, targets, pending, fused)
-    return moves   # keeps the mesh alive, so its id cannot be reused by another mesh
+    return moves
 
 
 def _gather_kv(dts, targets):

@@ -27,7 +27,7 @@ one wrap. With autograd it builds the slow path's nodes with the same gradient s
 pass-through dims (``_run_differentiable``), so gradients are the slow path's exactly.
 """
 from typing import Any
-from hyper_parallel.core.bounded_cache import BoundedCache
+from hyper_parallel.core.bounded_cache import BoundedCache, lifetime_key
 from hyper_parallel.core.dtensor.dispatch import decision_cache
 from hyper_parallel.core.dtensor.dispatch.dispatcher import (_passthrough, dispatch_function,
                                                              ensure_leaf_grad_layout, input_grad_placements)
@@ -254,7 +254,7 @@ def _record(key, args, targets, out_placements, result):
 
 def intern(spec: Any) -> Any:
     """The one spec object standing for ``spec``'s value on ``spec``'s mesh object."""
-    k = (id(spec.mesh), spec.placements, spec.shape)
+    k = (lifetime_key(spec.mesh), spec.placements, spec.shape)
     found = _SPECS.get(k)
     if found is None:
         _SPECS[k] = found = spec
