@@ -12,14 +12,15 @@ This machine is shared and noisy: only ratios measured within one run mean anyth
 """
 import argparse
 import copy
-import json
 import os
-import statistics
 import sys
 import time
 
 if __package__ in (None, ""):   # run as a file: the package is at the repo root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.rank_common import (finish, interleaved_rounds, median_over_ranks, medians,  # noqa: E402
+                                    write_json)
 
 
 def parse_args(argv=None):
@@ -123,23 +124,12 @@ def run_rank(args):
         step(name)
         first[name] = step(name)
         first[name + "_s"] = time.perf_counter() - start
-    times, diff = {k: [] for k in models}, abs(first["eager"] - first["compiled"])
-    for _ in range(args.rounds):
-        losses = {}
-        for name in models:
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            losses[name] = step(name)
-            times[name].append((time.perf_counter() - start) * 1e3)
-        diff = max(diff, abs(losses["eager"] - losses["compiled"]))
-    result = {"rank": rank, "step_ms": {k: statistics.median(v) for k, v in times.items()},
+    times, losses = interleaved_rounds(torch, list(models), step, args.rounds)
+    diff = max([abs(first["eager"] - first["compiled"])]
+               + [abs(e - c) for e, c in zip(losses["eager"], losses["compiled"])])
+    result = {"rank": rank, "step_ms": medians(times),
               "first_step_s": {k: first[k + "_s"] for k in models}, "max_loss_diff": diff}
-    gathered = [None] * n
-    torch.distributed.all_gather_object(gathered, result)
-    if rank == 0:
-        _report(args, gathered)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    finish(torch, args, result, _report)
 
 
 def _report(args, results):
@@ -151,15 +141,14 @@ def _report(args, results):
         print(f"{r['rank']:<6}{ms['eager']:>10.2f}{ms['compiled']:>13.2f}"
               f"{ms['eager'] / ms['compiled']:>16.2f}"
               f"{r['first_step_s']['eager']:>12.1f} / {r['first_step_s']['compiled']:.1f}")
-    med = {k: statistics.median(r["step_ms"][k] for r in results) for k in ("eager", "compiled")}
+    med = median_over_ranks(results, ("eager", "compiled"))
     speedup = med["eager"] / med["compiled"]
     diff = max(r["max_loss_diff"] for r in results)
     print(f"median step: eager {med['eager']:.2f} ms, compiled {med['compiled']:.2f} ms, "
           f"eager / compiled = {speedup:.2f}; largest loss difference {diff:.2e}")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"args": vars(args), "ranks": results, "step_ms": med, "eager_over_compiled": speedup,
-                       "max_loss_diff": diff}, f, indent=1)
+        write_json(args.json, {"args": vars(args), "ranks": results, "step_ms": med,
+                               "eager_over_compiled": speedup, "max_loss_diff": diff})
 
 
 def main(argv=None):

@@ -16,14 +16,14 @@ torch.distributed.fsdp.fully_shard where it runs here. It prints, per rank:
   ratios (this machine is shared and noisy: only ratios measured in one run mean anything).
 """
 import argparse
-import json
 import os
-import statistics
 import sys
-import time
 
 if __package__ in (None, ""):   # run as a file: the package is at the repo root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.rank_common import (finish, interleaved_rounds, median_over_ranks, medians,  # noqa: E402
+                                    write_json)
 
 
 def parse_args(argv=None):
@@ -141,28 +141,17 @@ def run_rank(args):
     with CommDebugMode() as comm:
         hp_model(x).pow(2).mean().backward()
     hp_opt.zero_grad(set_to_none=False)
-    times = {k: [] for k in runs}
-    for _ in range(args.rounds):
-        for name, (model, opt) in runs.items():
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            _step(torch, model, opt, x)
-            times[name].append((time.perf_counter() - start) * 1e3)
+    times, _ = interleaved_rounds(torch, list(runs), lambda name: _step(torch, *runs[name], x), args.rounds)
     closed, naive = _closed_form(hp_model, args.nproc, not args.no_reshard)
     result = {
         "rank": rank, "held": {k: _held_bytes(m, o) for k, (m, o) in runs.items()},
         "bytes_sent_step": comm.get_total_bytes(), "comm": comm.get_comm_counts(),
         "closed_form_bytes": closed, "naive_closed_form_bytes": naive,
-        "step_ms": {k: statistics.median(v) for k, v in times.items()},
+        "step_ms": medians(times),
         "rss_peak_bytes": get_platform().peak_memory_bytes(),
         "skipped": {k: v for k, v in setups.items() if isinstance(v, str)},
     }
-    gathered = [None] * args.nproc
-    torch.distributed.all_gather_object(gathered, result)
-    if rank == 0:
-        _report(args, gathered)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    finish(torch, args, result, _report)
 
 
 def _report(args, results):
@@ -179,7 +168,7 @@ def _report(args, results):
               f"{r['rss_peak_bytes'] / 2**20:>14.1f}")
     print(f"(N-1)/N * 3 * parameter bytes (root counted 3x too): "
           f"{results[0]['naive_closed_form_bytes']:,.0f} B")
-    med = {k: statistics.median(r["step_ms"][k] for r in results) for k in results[0]["step_ms"]}
+    med = median_over_ranks(results)
     base = med["hyper_parallel.fully_shard"]
     print("step time (median over ranks of each rank's median, interleaved rounds):")
     for name, ms in med.items():
@@ -187,8 +176,7 @@ def _report(args, results):
     for name, why in results[0]["skipped"].items():
         print(f"  {name:<30}{why}")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"args": vars(args), "ranks": results, "step_ms": med}, f, indent=1)
+        write_json(args.json, {"args": vars(args), "ranks": results, "step_ms": med})
 
 
 def main(argv=None):

@@ -22,12 +22,13 @@ same shapes; where it cannot run here its reason is reported (the JSON's ``torch
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 if __package__ in (None, ""):   # run as a file: the package is at the repo root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.rank_common import (finish, interleaved_rounds, median_over_ranks, medians,  # noqa: E402
+                                    write_json)
 
 EP = "hyper_parallel.ExpertParallel"
 DP = "hyper_parallel.data_parallel (replicated experts)"
@@ -132,28 +133,17 @@ def run_rank(args):
     counts, dispatch = _measure_dispatch(torch, args, *runs[EP], x)
     every = [None] * n
     torch.distributed.all_gather_object(every, counts)
-    times = {k: [] for k in runs}
-    for _ in range(args.rounds):
-        for name, (model, opt) in runs.items():
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            _step(model, opt, x)
-            times[name].append((time.perf_counter() - start) * 1e3)
+    times, _ = interleaved_rounds(torch, list(runs), lambda name: _step(*runs[name], x), args.rounds)
     result = {
         "rank": rank, "expert_bytes": expert_bytes(runs[EP][0]),
         "expert_bytes_total": expert_bytes(runs[DP][0]),
         "dispatch_bytes_step": dispatch["bytes"], "dispatch_all_to_alls": dispatch["calls"],
         "comm_counts_step": dispatch["all"], "closed_form_bytes": closed_form(every, rank, n, args.hidden),
         "imbalance_per_layer": imbalance(every, n), "routing_counts": counts,
-        "step_ms": {k: statistics.median(v) for k, v in times.items()},
+        "step_ms": medians(times),
         "torchtitan": try_torchtitan(torch, args, mesh, x),
     }
-    gathered = [None] * n
-    torch.distributed.all_gather_object(gathered, result)
-    if rank == 0:
-        _report(args, gathered)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    finish(torch, args, result, _report)
 
 
 def _report(args, results):
@@ -168,19 +158,14 @@ def _report(args, results):
               f"{r['dispatch_bytes_step']:>17,d}{r['closed_form_bytes']:>13,d}"
               f"{r['dispatch_all_to_alls']:>11d}"
               f"{max(r['imbalance_per_layer']):>11.3f}")
-    med = {k: statistics.median(r["step_ms"][k] for r in results) for k in results[0]["step_ms"]}
+    med = median_over_ranks(results)
     print("step time (median over ranks of each rank's median, interleaved rounds):")
     for name, ms in med.items():
         print(f"  {name:<52}{ms:>9.2f} ms   ExpertParallel / this = {med[EP] / ms:.2f}")
     print(f"  torchtitan: {results[0]['torchtitan']}")
     if args.json:
-        _write(args.json, {"args": vars(args), "ranks": results, "step_ms": med})
+        write_json(args.json, {"args": vars(args), "ranks": results, "step_ms": med})
     return med
-
-
-def _write(path, runs):
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(runs, f, indent=1)
 
 
 def main(argv=None):
@@ -197,7 +182,7 @@ def main(argv=None):
                 parts[f"ep{nproc}"] = json.load(f)
             os.remove(args.json)
     if json_path:
-        _write(json_path, parts)
+        write_json(json_path, parts)
     return status
 
 

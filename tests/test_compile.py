@@ -188,13 +188,14 @@ CP_MODES = {"ulysses": {}, "allgather": {"ulysses_degree": 1},
             "load_balance": {"ulysses_degree": 1, "load_balance": True},
             "ring": {"ulysses_degree": 1, "kv_exchange": "ring"},
             "zigzag": {"ulysses_degree": 1, "kv_exchange": "ring", "load_balance": True}}
-# (graphs, graph breaks) of each compiled region, as docs/compile.md states: point-to-point
-# exchanges (ring, the head-tail exchange) have no functional form, so a region containing one
-# breaks there and dynamo runs it eagerly (correct, not compiled)
+# (graphs, graph breaks) of each compiled region, as docs/compile.md states: the ring's hops are
+# traced as all-to-alls (compile_collectives.p2p_exchange); the load-balance head-tail swap (also
+# zigzag's) has no functional form, so a region containing one breaks there and dynamo runs it
+# eagerly (correct, not compiled)
 CP_GRAPHS = {"ulysses": {"around": (1, 0), "inside": (1, 0)},
              "allgather": {"around": (1, 0), "inside": (1, 0)},
              "load_balance": {"around": (1, 0), "inside": (2, 1)},
-             "ring": {"inside": (2, 1)}, "zigzag": {"inside": (2, 1)}}
+             "ring": {"inside": (1, 0)}, "zigzag": {"inside": (2, 1)}}
 HEADS, HEAD_DIM = 4, 8
 
 
@@ -278,9 +279,9 @@ def _check_cp(modes):
 
 
 def test_context_parallel_compiled():
-    """Ulysses and load-balanced CP: compiled attention inside CP and a compiled block around CP
-    both equal eager; the graphs and breaks are the documented ones."""
-    _check_cp(["ulysses", "load_balance"])
+    """Ulysses, load-balanced and ring CP: compiled attention inside CP and a compiled block around
+    CP both equal eager; the graphs and breaks are the documented ones."""
+    _check_cp(["ulysses", "load_balance", "ring"])
 
 
 @pytest.mark.compile_full

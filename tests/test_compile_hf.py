@@ -60,14 +60,16 @@ def _hf_case(rank, world, families, modes, padded=False, layers=2):
     from hyper_parallel.integrations.transformers import parallelize_model
     from hyper_parallel.platform.torch.compile_support import compiled_of
     from tests.hf_zoo import tiny
+    from tests.test_compile import _Recorder
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     results = {}
     for family in families:
         for mode in modes:
             eager = parallelize_model(tiny(family, num_hidden_layers=layers), mesh, **MODES[mode])
+            recorder = _Recorder()   # aot_eager, keeping the forward / backward graphs' code
             compiled = parallelize_model(tiny(family, num_hidden_layers=layers), mesh,
-                                         compile={"backend": "aot_eager"}, **MODES[mode])
+                                         compile={"backend": recorder.backend}, **MODES[mode])
             opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (compiled, eager)]
             for step in range(2):
                 losses = []
@@ -86,8 +88,16 @@ def _hf_case(rank, world, families, modes, padded=False, layers=2):
                     opt.step()
             explain = compiled_of(decoder_layers(compiled)[0]).explain()
             results[f"{family}/{mode}"] = {"explain": (explain.graph_count, explain.graph_break_count),
-                                           "layers": _layer_states(compiled)}
+                                           "layers": _layer_states(compiled),
+                                           "collectives": sorted({op for ops in recorder.collectives()
+                                                                  for op in ops}),
+                                           "eager_c10d": len(recorder.eager_c10d())}
     return results
+
+
+# the CP exchange traced into the layer's graphs as functional collectives: Ulysses' all-to-alls;
+# all-gather KV's all-gathers forward and their reduce-scatters (an all-to-all on gloo) backward
+TRACED = {"ulysses": ["all_to_all_single"], "allgather": ["all_gather_into_tensor", "all_to_all_single"]}
 
 
 def _check(results, layers, explain=(1, 0)):
@@ -95,6 +105,9 @@ def _check(results, layers, explain=(1, 0)):
     for case, res in results[0].items():
         assert res["explain"] == explain, (case, res)
         assert res["layers"] == [["compiled"]] * layers, (case, res)
+        assert res["eager_c10d"] == 0, (case, res)
+        if explain == (1, 0):
+            assert res["collectives"] == TRACED[case.split("/")[1]], (case, res)
 
 
 def test_hf_llama_layers_compile_under_context_parallel():

@@ -120,6 +120,10 @@ def train_case(rank, world_size, family, steps=2, tp=1):
     return True
 
 
+def tp_one_step(rank, world_size, family):
+    return train_case(rank, world_size, family, steps=1, tp=2)
+
+
 def tp_families_case(rank, world_size, families):
     return [train_case(rank, world_size, family, tp=2) for family in families]
 
@@ -173,7 +177,6 @@ def test_families_sample():
 
 
 ALL = sorted(FAMILIES)
-TP_FAMILIES = ["gpt_oss", "mixtral", "qwen3_moe", "qwen3_next"]
 
 
 @pytest.mark.ep_full
@@ -185,10 +188,15 @@ def test_every_family(world_size):
 @pytest.mark.ep_full
 def test_every_family_under_tp():
     """Mesh (dp_shard 2, tp 2): attention (and shared experts) under the model's TP plan, experts
-    over dp_shard; every tp rank routes the same tokens within its own ep group. DeepSeek-V3 and
-    Kimi-Linear are left out: their TP plans use MLA styles parallelize_model does not translate
-    (it refuses them by name, with or without ep)."""
-    assert run_dist(4, tp_families_case, TP_FAMILIES, timeout=900) == [[True] * len(TP_FAMILIES)] * 4
+    over dp_shard; every tp rank routes the same tokens within its own ep group. DeepSeek-V3's MLA
+    ``kv_a_proj_with_mqa`` runs under the 'mla_kv_a_proj' style (hf_mla_tensor_parallel.py);
+    Kimi-Linear's plan splits its MLPs and shared experts only."""
+    assert run_dist(4, tp_families_case, ALL, timeout=900) == [[True] * len(ALL)] * 4
+
+
+def test_mla_under_tp():
+    """The default run's ep x tp sample: DeepSeek-V3 (MLA's kv_a_proj_with_mqa under TP, one step)."""
+    assert run_dist(4, tp_one_step, "deepseek_v3", timeout=600) == [True] * 4
 
 
 @pytest.mark.ep_full
@@ -282,5 +290,25 @@ def _hf_errors(rank, world_size):
     return True
 
 
+def _hf_disagree(rank, world_size):
+    """Ranks whose routing settings differ (top-k, experts, normalisation, scaling, aux-loss
+    coefficient): every rank raises naming the setting, before any parameter moves."""
+    from hyper_parallel import init_device_mesh
+    from hyper_parallel.integrations.transformers import parallelize_model
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    cases = [("qwen3_moe", {"num_experts_per_tok": 2 + rank}, "config.num_experts_per_tok"),
+             ("qwen3_moe", {"num_experts": 8 if rank else 4}, "config.num_experts"),
+             ("qwen3_moe", {"norm_topk_prob": rank == 0}, "config.norm_topk_prob"),
+             ("mixtral", {"router_aux_loss_coef": 0.1 * (rank + 1)}, "router_aux_loss_coef"),
+             ("deepseek_v3", {"routed_scaling_factor": 1.0 + rank}, "config.routed_scaling_factor")]
+    for family, overrides, name in cases:
+        model = make(family, **overrides)
+        with pytest.raises(ValueError, match=f"disagree on .*{name} \\(rank {rank} has"):
+            parallelize_model(model, mesh, ep="dp_shard")
+        assert not any(hasattr(p, "placements") for p in model.parameters())   # nothing moved
+    return True
+
+
 def test_parallelize_model_bad_input():
     assert run_dist(2, _hf_errors) == [True, True]
+    assert run_dist(2, _hf_disagree) == [True, True]

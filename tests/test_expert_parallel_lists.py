@@ -220,7 +220,25 @@ def list_errors_case(rank, world_size):
     ExpertParallel().apply(aux, mesh)
     with pytest.raises(ValueError, match="auxiliary loss computed on this rank's tokens alone"):
         aux(_tokens(rank, 0))
+    _model_with_list_and_router_logits(mesh)
     return True
+
+
+def _model_with_list_and_router_logits(mesh):
+    """parallelize_model's check: a model of per-expert lists that asks for router logits is refused
+    (the global auxiliary loss reads Hugging Face 5.x routers only), before any collective."""
+    from types import SimpleNamespace
+
+    import torch
+    from hyper_parallel import CommDebugMode
+    from hyper_parallel.integrations.hf_expert_parallel import check_expert_parallel
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([_blocks()["mixtral"]()])
+    model.config = SimpleNamespace(output_router_logits=True, num_local_experts=E, num_experts_per_tok=2)
+    with CommDebugMode() as comm, pytest.raises(ValueError,
+                                                match="holds per-expert lists and asks for router"):
+        check_expert_parallel(model, mesh, "ep")
+    assert comm.get_total_counts() == 0
 
 
 def list_disagree_case(rank, world_size):

@@ -30,12 +30,14 @@ only under ``HP_CHECK_RANKS=every``).
 
 A rank whose settings change ALONE (its peers continue as before) is the one rank whose site
 sees a change, so it enters the exchange alone. The exchange runs on the platform's
-``agreement_group``, a companion of each mesh group created beside it (torch): the lone rank waits
+``agreement_group``, a companion created beside each group of a mesh built with ``timeout=``
+(torch): the lone rank waits
 there, never inside its peers' data collectives (which would abort gloo on a size mismatch, or
 combine unrelated buffers), until the mesh's ``timeout=`` (``init_device_mesh(..., timeout=)``)
 expires; it then raises a ValueError naming the feature and the settings it changed, and its peers'
-next collective times out the same way (a CollectiveTimeoutError naming the group). Frameworks
-without a companion group (MindSpore) exchange on the mesh group itself. ``HP_CHECK_RANKS=every``
+next collective times out the same way (a CollectiveTimeoutError naming the group). Without a
+companion (MindSpore; a torch mesh without ``timeout=``) the exchange runs on the mesh group itself,
+where a lone rank meets its peers' next collective. ``HP_CHECK_RANKS=every``
 (set alike on every rank) exchanges on every call, so the first differing call raises a
 ValueError on every rank, including for ``Deferred`` digests.
 
@@ -252,8 +254,9 @@ def _alone(mesh_or_group: Any, feature: str, previous: Optional[tuple], fields: 
     before = dict(previous) if isinstance(previous, tuple) else {}
     changed = [f"{n} (rank {get_platform().get_rank()} now has {_show(shown[names.index(n)])})"
                for n, crc in fields if n in before and before[n] != crc and n in names]
-    what = (f"this rank's {', '.join(changed)} changed since its previous call here, so it checked "
-            f"again" if changed else "this rank reached a check")
+    now = _show(", ".join(f"{n}={t}" for n, t in zip(names, shown)), 400)
+    what = (f"this rank's {', '.join(changed)} changed since its previous call here (its settings now: "
+            f"{now}), so it checked again" if changed else f"this rank reached a check (its settings: {now})")
     return (f"{feature}: the agreement check on {_where(mesh_or_group)} was not joined by the other ranks "
             f"within the timeout: {what}, while they continued as before and went on. Every rank "
             f"must pass the same settings, and change them together ({CHECK_ENV}=every checks every call). "
@@ -286,5 +289,5 @@ def _message(mesh_or_group: Any, feature: str, names: list, shown: list, mins: l
             f"settings ({CHECK_ENV}=every checks every call). Fix: {fix}")
 
 
-def _show(text: str) -> str:
-    return text if len(text) <= 120 else text[:117] + "..."
+def _show(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -16,6 +16,8 @@ from typing import Any, List, Sequence, Tuple
 from hyper_parallel.core.agreement import check_agreement
 from hyper_parallel.core.expert_parallel import ExpertParallel, load_balancing_loss
 from hyper_parallel.core.expert_parallel.experts import is_stacked_experts
+from hyper_parallel.core.expert_parallel.module_list import list_experts
+from hyper_parallel.core.expert_parallel.settings import ROUTING_ATTRS, routing_settings
 from hyper_parallel.core.expert_parallel.style import validate_degrees
 from hyper_parallel.core.fully_shard import fully_shard
 from hyper_parallel.platform import get_platform
@@ -47,10 +49,18 @@ def ep_dims(mesh: Any, ep: Any) -> Tuple[str, ...]:
 
 
 def _moe_blocks(model: Any) -> List[Any]:
+    """Modules holding a child ``experts``: stacked (Hugging Face 5.x) or a per-expert list."""
     platform = get_platform()
     return [module for _, module in platform.named_modules(model)
-            if any(name == "experts" and is_stacked_experts(child)
-                   for name, child in platform.named_children(module))]
+            if list_experts(module) is not None or any(name == "experts" and is_stacked_experts(child)
+                                                       for name, child in platform.named_children(module))]
+
+
+def _expert_count(block: Any) -> int:
+    listed = list_experts(block)
+    if listed is not None:
+        return len(list(get_platform().named_children(listed)))
+    return int(dict(get_platform().named_parameters(block.experts))["gate_up_proj"].shape[0])
 
 
 def _sub(mesh: Any, dims: Sequence[str]) -> Any:
@@ -85,11 +95,37 @@ def check_expert_parallel(model: Any, mesh: Any, ep: Any, data_parallel: bool = 
     num, top_k = _config_int(config, _NUM_EXPERTS), _config_int(config, _TOP_K)
     blocks = _moe_blocks(model)
     if not blocks:
-        raise ValueError(f"parallelize_model(ep={ep!r}): {type(model).__name__} has no MoE layer with "
-                         f"stacked experts (an 'experts' module with 3-D gate_up_proj / down_proj)")
-    num = num or int(dict(get_platform().named_parameters(blocks[0].experts))["gate_up_proj"].shape[0])
-    validate_degrees(num, size, top_k)
+        raise ValueError(f"parallelize_model(ep={ep!r}): {type(model).__name__} has no MoE layer (an "
+                         f"'experts' module with 3-D gate_up_proj / down_proj, or a per-expert list)")
+    validate_degrees(num or _expert_count(blocks[0]), size, top_k)
+    listed = any(list_experts(block) is not None for block in blocks)
+    if listed and getattr(config, "output_router_logits", False):
+        # the global load-balancing loss reads HF 5.x routers' logits (their first output)
+        raise ValueError(f"parallelize_model(ep={ep!r}): {type(model).__name__} holds per-expert lists and "
+                         f"asks for router logits (output_router_logits=True); the global auxiliary loss is "
+                         f"wired for stacked Hugging Face 5.x layers only: set output_router_logits=False")
+    _check_routing_agreement(model, mesh, blocks)
     return dims
+
+
+def _check_routing_agreement(model: Any, mesh: Any, blocks: List[Any]) -> None:
+    """Every rank of the mesh builds the same routing (experts, top-k, normalisation, scaling,
+    grouping, the auxiliary-loss coefficient): one small exchange before any parameter moves, so
+    ranks that disagree all raise a ValueError naming the setting."""
+    config = getattr(model, "config", None)
+    settings = {f"config.{name}": getattr(config, name) for name in
+                ROUTING_ATTRS + _NUM_EXPERTS + _TOP_K + ("output_router_logits",)
+                if isinstance(getattr(config, name, None), (bool, int, float, str))}
+    coef = getattr(model, "router_aux_loss_coef", None)
+    if isinstance(coef, (int, float)):
+        settings["model.router_aux_loss_coef"] = coef
+    settings["moe_layers"] = len(blocks)
+    settings["experts_per_layer"] = tuple(_expert_count(block) for block in blocks)
+    for name, value in routing_settings(blocks[0]).items():
+        settings[f"layer0.{name}"] = value
+    check_agreement(mesh, "expert_parallel_model", settings, once=False,
+                    fix="build the model from the same config (experts, top-k, routing flags, "
+                        "router_aux_loss_coef) on every rank")
 
 
 def apply_expert_parallel(model: Any, mesh: Any, ep: Any, data_dims: Sequence[str],
@@ -103,9 +139,14 @@ def apply_expert_parallel(model: Any, mesh: Any, ep: Any, data_dims: Sequence[st
     ep_mesh = _sub(mesh, dims)
     rest = _sub(mesh, [d for d in data_dims if d not in dims and mesh[d].size() > 1])
     for block in _moe_blocks(model):
-        ExpertParallel(average=average).apply(block.experts, ep_mesh)
-        if rest is not None:
-            fully_shard(block.experts, rest, average=average)
+        # applied to the block: its router's settings join the per-call agreement check
+        ExpertParallel(average=average).apply(block, ep_mesh)
+        if rest is None:
+            continue
+        state = block.experts._hp_expert_parallel
+        # a per-expert list is never called itself: each local expert is its own fully_shard unit
+        for unit in state.local_modules or (block.experts,):
+            fully_shard(unit, rest, average=average)
     data_mesh = _sub(mesh, list(dict.fromkeys(list(data_dims) + list(dims))))
     _global_aux_loss(model, data_mesh.get_group(0), 1 if average else data_mesh.size())
     return model

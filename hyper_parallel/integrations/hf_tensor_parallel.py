@@ -25,6 +25,7 @@ from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
 from hyper_parallel.core.tensor_parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
                                                  SequenceParallel, parallelize_module)
 from hyper_parallel.core.tensor_parallel.base import from_dtensor, replicate_parameters, to_dtensor
+from hyper_parallel.integrations.hf_mla_tensor_parallel import mla_kv_a_proj_style
 
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
 
@@ -64,9 +65,12 @@ def _styles():
     }
 
 
-def translate_plan(hf_plan: Any) -> Any:
-    """{fqn pattern: our style} from HF's {fqn pattern: style name}; unknown names raise."""
+def translate_plan(hf_plan: Any, config: Any = None) -> Any:
+    """{fqn pattern: our style} from HF's {fqn pattern: style name}; unknown names raise.
+    ``config``: for styles that read it (``mla_kv_a_proj``: the rotary width)."""
     table, plan = _styles(), {}
+    if config is not None and "mla_kv_a_proj" in hf_plan.values():
+        table["mla_kv_a_proj"] = mla_kv_a_proj_style(config)
     for pattern, name in hf_plan.items():
         if name not in table:
             raise ValueError(f"parallelize_model: the model's TP plan uses {name!r} for {pattern!r}, which "
@@ -140,7 +144,7 @@ def apply_tensor_parallel(model: Any, tp_mesh: Any) -> Any:
     _check_heads(model.config, tp)
     inp, out = model.get_input_embeddings(), model.get_output_embeddings()
     tied = inp is not None and out is not None and inp.weight is out.weight
-    parallelize_module(model, tp_mesh, translate_plan(hf_plan))
+    parallelize_module(model, tp_mesh, translate_plan(hf_plan, model.config))
     _retie(model, tied)
     _localize_head_counts(model, hf_plan, tp)
     return model

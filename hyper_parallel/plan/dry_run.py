@@ -2,14 +2,16 @@
 
 The step is the library's real path: ``parallelize_model`` (tensor parallel, context parallel,
 fully_shard, chunked loss), ``tiled_mlp``, Hugging Face's activation checkpointing, an AdamW step.
-Two steps run; the second is measured (the first does what happens once: cross-rank agreement
-checks, the optimizer's state). What cannot be known without values is assumed, at the few places that
-read values on the host (``platform.is_fake``): ranks agree, labels are in range, one unpadded
-document per sequence.
+Three steps run; the third is measured (the first two do what happens once: cross-rank agreement
+checks, the optimizer's state; see ``measure``). What cannot be known without values is assumed, at
+the few places that read values on the host (``platform.is_fake``): ranks agree, labels are in range,
+one unpadded document per sequence, and MoE routing is balanced (expert_parallel/dispatch.py:
+assignment i to expert i mod E on every rank).
 """
 import math
 from typing import Callable, Dict, Optional, Sequence
 
+from hyper_parallel.core.arguments import check_int
 from hyper_parallel.core.comm_mode import CommDebugMode
 from hyper_parallel.plan.options import FEATURES, cp_kwargs, check_features
 from hyper_parallel.plan.report import DryRunReport
@@ -38,8 +40,8 @@ def check_mesh(mesh_shape: Sequence[int], mesh_dim_names: Sequence[str]) -> Dict
     unknown = [n for n in mesh_dim_names if n not in MESH_DIMS + ("ep",)]
     if unknown or len(set(mesh_dim_names)) != len(mesh_dim_names):
         raise ValueError(f"dry_run: mesh dims {list(mesh_dim_names)}: each must be one of {MESH_DIMS}, once")
-    if any(int(s) < 1 for s in mesh_shape):
-        raise ValueError(f"dry_run: mesh_shape {tuple(mesh_shape)} has a size below 1")
+    for size in mesh_shape:   # 2.5 or True must not pass as 2 or 1
+        check_int("dry_run", "mesh_shape", size, minimum=1, fix="give every mesh size as an int >= 1")
     if "ep" in mesh_dim_names:
         # this library's experts split over data-parallel dims (SPEC §17): ep names them
         raise ValueError("dry_run: expert parallelism runs over the data-parallel ranks here, not a mesh dim "
@@ -164,6 +166,8 @@ def dry_run(model_fn: Callable, mesh_shape: Sequence[int], mesh_dim_names: Seque
     tools = torch_tools()
     sizes = check_mesh(mesh_shape, mesh_dim_names)
     check_features(features, cp_mode, sizes)
+    for name, value in (("seq_len", seq_len), ("batch", batch), ("rank", rank)):
+        check_int("dry_run", name, value)   # 16.0, 1.5, inf: a ValueError, not torch's TypeError later
     if seq_len % max(1, sizes.get("cp", 1)) or seq_len < 1 or batch < 1:
         raise ValueError(f"dry_run: seq_len {seq_len} must be a positive multiple of cp={sizes.get('cp', 1)} "
                          f"and batch {batch} positive")
@@ -210,7 +214,6 @@ def _step_report(tools, model, mesh, sizes, seq_len, batch, cp_mode, features, c
                  rank):
     import warnings
     from hyper_parallel.core.data_parallel.shard_sequence import shard_sequence
-    mixed = "param_dtype" in options or "reduce_dtype" in options
     _apply_features(model, features, chunks)
     _parallelize(model, mesh, sizes, cp_mode, features, options)
     cp_mesh = mesh["cp"] if sizes.get("cp", 1) > 1 else None
@@ -219,16 +222,16 @@ def _step_report(tools, model, mesh, sizes, seq_len, batch, cp_mode, features, c
         # the mixed-precision path applies fully_shard after parallelize_model, whose first-forward
         # check would call the dp dims unreduced; every dim is reduced here (fully_shard / data_parallel)
         warnings.filterwarnings("ignore", message="parallelize_model: the gradients are reduced over no")
-        # ... and fully_shard's unit-call order is then learned in the warm-up steps (a real run's CP
-        # audit forwards teach it earlier): two warm-up steps reach the steady state
         return measure(step, shard_sequence, mesh, sizes, name, seq_len, batch,
-                       cp_mode if cp_mesh is not None else None, features, rank, 2 if mixed else 1)
+                       cp_mode if cp_mesh is not None else None, features, rank)
 
 
-def measure(step, shard_sequence, mesh, sizes, name, seq_len, batch, cp_mode, features, rank, warmups=1):
-    """The steady-state step (memory, FLOPs, collectives), fake or real alike: a warm-up step first,
-    which does what happens once (cross-rank agreement checks, the optimizer's state). Measuring the
-    first step instead is not the same: first calls compute more than the steady state does."""
+def measure(step, shard_sequence, mesh, sizes, name, seq_len, batch, cp_mode, features, rank, warmups=2):
+    """The steady-state step (memory, FLOPs, collectives), fake or real alike, after ``warmups``
+    steps, which do what happens once (cross-rank agreement checks, the optimizer's state). Two: the
+    agreement schedule learns the order of fully_shard's unit calls across steps (the transition from
+    the last layer to the next step's root) in the second step of a dry run, where a real run has
+    already seen it in its context-parallel audit's forwards (which read values; a dry run skips it)."""
     tools = torch_tools()
     for _ in range(warmups):
         step.run(shard_sequence)

@@ -46,7 +46,10 @@ class DryRunReport:
                "memory_bytes": dict(self.memory_bytes), "peak_memory_bytes": self.peak_memory_bytes,
                "flops": self.flops,
                "comm": {dim: {"collectives": c["collectives"], "bytes_sent": c["bytes_sent"],
-                              "bytes_received": c["bytes_received"]} for dim, c in self.comm.items()},
+                              "bytes_received": c["bytes_received"],
+                              # per collective kind (all_to_all: expert dispatch / Ulysses): count, bytes
+                              "ops": {op: {"count": n, "bytes_sent": b} for op, (n, b) in c["ops"].items()}}
+                        for dim, c in self.comm.items()},
                "wall_seconds": round(self.wall_seconds, 3)}
         if self.layers is not None:
             out["layers_run"], out["layers"] = self.layers
@@ -68,7 +71,7 @@ class DryRunReport:
         lines.append(f"  FLOPs {self.flops:.4g}")
         lines.append("  communication per mesh dim (this rank):")
         for dim, c in sorted(self.comm.items()):
-            ops = ", ".join(f"{op} x{n}" for op, (n, _) in sorted(c["ops"].items()))
+            ops = ", ".join(f"{op} x{n} {b:,d} B" for op, (n, b) in sorted(c["ops"].items()))
             lines.append(f"    {dim:14s} {c['collectives']:5d} collectives  sent {c['bytes_sent']:>16,d} B  "
                          f"received {c['bytes_received']:>16,d} B  ({ops})")
         if self.prediction:

@@ -6,11 +6,12 @@ allgather_lb, zigzag (``all_modes``: also allgather and ring, which leave the ca
 Features are tried cheapest first and the first that fits is kept: the chunked loss always, then
 activation checkpointing, then tiled MLP (each saves memory and costs recompute).
 
-Each candidate is one dry run of the busiest rank (the job's last rank: the last CP rank does the most
-causal work in the unbalanced modes; all ranks hold the same memory up to uneven shards) on the model
-cut to k and 2k layers (scaling.py); dry runs are cached per (mesh, mode, features, layers, rank).
-Candidates are ranked by predicted time per token (tokens/s per device): a step of more data-parallel
-ranks trains more tokens.
+For a MoE model every mesh is also tried with ep over its data dims (``expert_options``). Each
+candidate is dry-run for its rank roles (``roles``: the last rank, and rank 0 where a split is uneven
+or the CP mode unbalanced; the peak is the largest, the step the slowest) on the model cut to k and 2k
+layers (scaling.py); a rung whose k-layer run already exceeds the usable memory is skipped. Dry runs
+are cached per (mesh, mode, features, layers, rank, ep). Candidates are ranked by predicted time per
+token (tokens/s per device): a step of more data-parallel ranks trains more tokens.
 """
 import math
 import sys

@@ -162,7 +162,7 @@ def fully_shard_extra_call(rank, world_size):
     if model.repeat_first:
         expect_error(ValueError, lambda: model(fm.batch(2, rank)),
                      "fully_shard unit call: the agreement check", "was not joined",
-                     "call of the unit in this forward (rank", "now has 2",
+                     "call of the unit in this forward (rank", "now has 2", "unit='blocks.0'",
                      "call every fully_shard unit the same number of times")
     else:   # the forward's gathers were issued alike (prefetched); the backward's reduction waits
         _raises_any(lambda: fm.loss_fn(model(fm.batch(2, rank))).backward(), "timed out")

@@ -3,6 +3,7 @@ return the output in the caller's layout (read from the output, see output.py)."
 from typing import Any
 import math
 from dataclasses import dataclass, replace
+from enum import Enum
 
 from hyper_parallel.core.agreement_attention import attention_call
 from hyper_parallel.core.bounded_cache import lifetime_key
@@ -32,7 +33,7 @@ class _Inputs:
     locals: list            # q, k, v local blocks (differentiable)
     placements: list        # their layouts on the working mesh
     shapes: list            # their global shapes
-    policy: str             # how q came in: "plain" tensor | "cp_dtensor" (on the CP mesh) | "other_mesh"
+    policy: str             # how q came in: an InputPolicy (a str)
     seq: int                # q/k/v's sequence and head dims, normalised
     head: int
     own_mesh: object = None
@@ -57,10 +58,23 @@ def _on_cp_mesh(mesh, cp_mesh):
                                and mesh.rank_list == cp_mesh.rank_list)
 
 
+class InputPolicy(str, Enum):
+    """How q came in. A str: it equals, hashes and prints as its plain name ("plain")."""
+    PLAIN = "plain"              # a plain tensor (this rank's block)
+    CP_DTENSOR = "cp_dtensor"    # a DTensor on the CP mesh
+    OTHER_MESH = "other_mesh"    # a DTensor on the caller's own mesh
+
+    __str__ = str.__str__
+    __hash__ = str.__hash__
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self, spec)
+
+
 def _policy(q, cp_mesh):
     if not isinstance(q, DTensor):
-        return "plain"
-    return "cp_dtensor" if _on_cp_mesh(q.device_mesh, cp_mesh) else "other_mesh"
+        return InputPolicy.PLAIN
+    return InputPolicy.CP_DTENSOR if _on_cp_mesh(q.device_mesh, cp_mesh) else InputPolicy.OTHER_MESH
 
 
 def _check_meshes(qkv, policy, cp_mesh):
@@ -69,10 +83,11 @@ def _check_meshes(qkv, policy, cp_mesh):
     for name, t in zip(NAMES[1:], qkv[1:]):
         if not isinstance(t, DTensor):
             continue
-        fits = (t.device_mesh == q.device_mesh if policy == "other_mesh"
+        fits = (t.device_mesh == q.device_mesh if policy == InputPolicy.OTHER_MESH
                 else _on_cp_mesh(t.device_mesh, cp_mesh))
         if not fits:
-            where = f"q's mesh {q.device_mesh}" if policy == "other_mesh" else f"the CP mesh {cp_mesh}"
+            where = (f"q's mesh {q.device_mesh}" if policy == InputPolicy.OTHER_MESH
+                     else f"the CP mesh {cp_mesh}")
             raise ValueError(f"ContextParallel: {name} is a DTensor on {t.device_mesh}, not on {where}; pass "
                              f"q, k and v as DTensors on one mesh, or k and v as plain local blocks")
 
@@ -80,7 +95,7 @@ def _check_meshes(qkv, policy, cp_mesh):
 def _block_shape(t, policy, seq, cp_mesh):
     """The shape of the sequence block this rank contributes for ``t``."""
     shape = list(t.shape)
-    if isinstance(t, DTensor) and policy != "other_mesh":
+    if isinstance(t, DTensor) and policy != InputPolicy.OTHER_MESH:
         if shape[seq] % cp_mesh.size():
             raise ValueError(f"ContextParallel: a DTensor input has global sequence length {shape[seq]}, "
                              f"not divisible by the CP size {cp_mesh.size()}; pad the sequence to a "
@@ -94,7 +109,7 @@ def _q_block_length(style, q, policy, cp_mesh):
     if not -q.ndim <= style.seq_dim < q.ndim:
         return None
     n = int(q.shape[style.seq_dim % q.ndim])
-    return n // cp_mesh.size() if isinstance(q, DTensor) and policy == "cp_dtensor" else n
+    return n // cp_mesh.size() if isinstance(q, DTensor) and policy == InputPolicy.CP_DTENSOR else n
 
 
 def _prepare(style, cp_mesh, qkv):
@@ -112,7 +127,7 @@ def _prepare(style, cp_mesh, qkv):
     shapes = [_block_shape(t, policy, seq, cp_mesh) for t in qkv]
     check_layout(style, shapes, seq, head, cp_mesh.size())
     check_whole_sequence(same, shapes, seq, cp_mesh.size())
-    if policy == "other_mesh":
+    if policy == InputPolicy.OTHER_MESH:
         return _foreign(cp_mesh, qkv, seq, head)
     blocks = [t.redistribute(placements=_seq_blocks(t.device_mesh, t.ndim, seq)).to_local()
               if isinstance(t, DTensor) else t for t in qkv]
@@ -123,7 +138,7 @@ def _prepare(style, cp_mesh, qkv):
         shape = list(t.shape)
         shape[seq] *= cp_mesh.size()
         shapes.append(tuple(shape))
-    own = qkv[0].device_mesh if policy == "cp_dtensor" else None
+    own = qkv[0].device_mesh if policy == InputPolicy.CP_DTENSOR else None
     return _Inputs(cp_mesh, cp_dims, blocks, placements, shapes, policy, seq, head, own)
 
 
@@ -165,7 +180,8 @@ def _foreign(cp_mesh, qkv, seq, head):
         shape[seq] *= cp_mesh.size()
         shapes.append(tuple(shape))
         locals_.append(t.to_local())
-    return _Inputs(mesh, cp_dims, locals_, placements, shapes, "other_mesh", seq, head, own, own_dims)
+    return _Inputs(mesh, cp_dims, locals_, placements, shapes, InputPolicy.OTHER_MESH, seq, head, own,
+                   own_dims)
 
 
 def _degree(mesh, ulysses_dims):
@@ -330,9 +346,9 @@ def _load_balanced(inputs, k, v, call):
 
 def deliver(style: Any, inputs: Any, out_local: Any, seq: Any, placements: Any) -> Any:
     """This rank's output block as the caller gets it (local, or a DTensor on its mesh)."""
-    if style.use_local_output or inputs.policy == "plain":
+    if style.use_local_output or inputs.policy == InputPolicy.PLAIN:
         return out_local
-    if inputs.policy == "cp_dtensor":
+    if inputs.policy == InputPolicy.CP_DTENSOR:
         own = inputs.own_mesh
         return DTensor.from_local(out_local, own, _seq_blocks(own, out_local.ndim, seq))
     return DTensor.from_local(out_local, inputs.own_mesh, [placements[m] for m in inputs.own_dims])

@@ -9,7 +9,7 @@ from typing import Any
 import functools
 
 from hyper_parallel.core.dtensor.layout import chunk_sizes
-from hyper_parallel.core.dtensor.redistribute_plan import RedistributePlanner
+from hyper_parallel.core.dtensor.redistribute_plan import RedistributePlanner, StepKind
 from hyper_parallel.platform import get_platform
 
 
@@ -66,27 +66,27 @@ def _run_step(step, local, mesh):
     group = mesh.get_group(step.mesh_dim)
     me = mesh.get_coordinate()[step.mesh_dim]
     n = mesh.mesh_shape[step.mesh_dim]
-    if step.kind == "all_gather":
+    if step.kind == StepKind.ALL_GATHER:
         block = max(step.sizes)
         out = platform.all_gather(_pad_to(local, step.dim, block), group, step.dim)
         return _trim_blocks(out, step.dim, block, step.sizes)
-    if step.kind == "all_to_all":
+    if step.kind == StepKind.ALL_TO_ALL:
         padded, new_block = _split_chunks_padded(local, step.new_dim, n)
         block = max(step.sizes)
         padded = _pad_to(padded, step.dim, block)
         out = platform.all_to_all_single(padded, group, split_dim=step.new_dim, concat_dim=step.dim)
         out = _trim_blocks(out, step.dim, block, step.sizes)
         return _narrow(out, step.new_dim, 0, step.new_sizes[me])
-    if step.kind == "reduce_scatter":
+    if step.kind == StepKind.REDUCE_SCATTER:
         padded, block = _split_chunks_padded(local, step.dim, n)
         out = platform.reduce_scatter(padded, group, step.dim, step.op)
         return _narrow(out, step.dim, 0, step.sizes[me])
-    if step.kind == "all_reduce":
+    if step.kind == StepKind.ALL_REDUCE:
         return platform.all_reduce(local, group, step.op)
-    if step.kind == "local_chunk":
+    if step.kind == StepKind.LOCAL_CHUNK:
         start, length = step.sizes
         return _narrow(local, step.dim, start, length).contiguous()
-    if step.kind == "to_partial":
+    if step.kind == StepKind.TO_PARTIAL:
         return _partition(local, step.op, me, n)
     raise AssertionError(step.kind)
 

@@ -1,14 +1,31 @@
 """The redistribution planner: a pair of layouts becomes a short list of single collectives."""
 from typing import Any, Optional
 from dataclasses import dataclass
+from enum import Enum
 
 from hyper_parallel.core.dtensor.layout import chunk_range, chunk_sizes, dim_range, shard_orders
 from hyper_parallel.core.dtensor.placement_types import HeadTailShard, Partial, Replicate, Shard
 
 
+class StepKind(str, Enum):
+    """What one step does. A str: it equals, hashes and prints as its plain name ("all_gather")."""
+    ALL_GATHER = "all_gather"
+    ALL_TO_ALL = "all_to_all"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    LOCAL_CHUNK = "local_chunk"
+    TO_PARTIAL = "to_partial"
+
+    __str__ = str.__str__
+    __hash__ = str.__hash__
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self, spec)
+
+
 @dataclass(frozen=True)
 class Step:
-    kind: str          # all_gather | all_to_all | reduce_scatter | all_reduce | local_chunk | to_partial
+    kind: StepKind
     mesh_dim: int
     dim: int = -1      # tensor dim gathered / reduced over / chunked
     new_dim: int = -1  # all_to_all: the tensor dim that becomes split
@@ -143,20 +160,21 @@ class RedistributePlanner:
     # ------------------------------------------------------------------ steps
     def _shard_to_shard(self, d, m, e):
         """S(d) -> S(e) on mesh dim m: one all-to-all."""
-        self.steps.append(Step("all_to_all", m, d, e, sizes=self._parent_sizes(d, m),
+        self.steps.append(Step(StepKind.ALL_TO_ALL, m, d, e, sizes=self._parent_sizes(d, m),
                                new_sizes=self._sizes(e, m)))
         self.orders[d].pop()
         self.orders[e].append(m)
 
     def _gather(self, d, m):
         """S(d) -> R on mesh dim m: one all-gather."""
-        self.steps.append(Step("all_gather", m, d, sizes=self._parent_sizes(d, m)))
+        self.steps.append(Step(StepKind.ALL_GATHER, m, d, sizes=self._parent_sizes(d, m)))
         self.orders[d].pop()
         self.state[m] = Replicate()
 
     def _partial_to_shard(self, e, m):
         """P -> S(e) on mesh dim m: one reduce-scatter."""
-        self.steps.append(Step("reduce_scatter", m, e, op=self.state[m].reduce_op, sizes=self._sizes(e, m)))
+        self.steps.append(Step(StepKind.REDUCE_SCATTER, m, e, op=self.state[m].reduce_op,
+                               sizes=self._sizes(e, m)))
         self.orders[e].append(m)
         self.state[m] = None
 
@@ -166,18 +184,18 @@ class RedistributePlanner:
                             self.coordinate)
         index, parts = self.dst[m].chunk_of(self.coordinate[m], self.mesh_shape[m])
         start, length = chunk_range(0, size, parts, index)
-        self.steps.append(Step("local_chunk", m, e, sizes=(start, length)))
+        self.steps.append(Step(StepKind.LOCAL_CHUNK, m, e, sizes=(start, length)))
         self.orders[e].append(m)
         self.state[m] = None
 
     def _reduce(self, m):
         """P -> R on mesh dim m: one all-reduce."""
-        self.steps.append(Step("all_reduce", m, op=self.state[m].reduce_op))
+        self.steps.append(Step(StepKind.ALL_REDUCE, m, op=self.state[m].reduce_op))
         self.state[m] = Replicate()
 
     def _to_partial(self, m, op):
         """R -> P on mesh dim m: local (ranks other than the first hold the op's identity)."""
-        self.steps.append(Step("to_partial", m, op=op))
+        self.steps.append(Step(StepKind.TO_PARTIAL, m, op=op))
         self.state[m] = Partial(op)
 
     # ------------------------------------------------------------------ shard-order queries

@@ -58,7 +58,10 @@ class MindSporeDTensorBase(ms.Tensor):
     # what every MindSpore compiler asks of an object it turns into a graph value (placeholder_guard.py)
     __parameter__ = placeholder_guard.CompilerSighting()
 
-    def __new__(cls, local_tensor, global_shape, requires_grad=False):
+    def __new__(cls, local_tensor=None, global_shape=None, requires_grad=False):
+        if global_shape is None:   # not the library: ms.Parameter(dt), or copy / pickle rebuilding one
+            what = "ms.Parameter(dtensor)" if isinstance(local_tensor, ms.Tensor) else "rebuilding a DTensor"
+            raise ValueError(_NO_COPY.format(what=what))
         placeholder = _placeholder(local_tensor.dtype)
         if math.prod(global_shape) == 1 and _records_gradient(local_tensor):
             placeholder = _ScalarLink.apply(local_tensor, tuple(int(s) for s in global_shape))
@@ -204,9 +207,30 @@ class MindSporeDTensorBase(ms.Tensor):
         return type(self)._make(copy.deepcopy(self._local_tensor, memo), self._spec,
                                 requires_grad=self._hp_requires_grad)
 
+    def __copy__(self):
+        """A DTensor of the same layout sharing this one's local tensor (as a view would)."""
+        return type(self)._make(self._local_tensor, self._spec, requires_grad=self._hp_requires_grad)
+
+    def __reduce_ex__(self, protocol):
+        raise ValueError(_NO_COPY.format(what="pickling a DTensor"))
+
+    @property
+    def data(self) -> Any:
+        """The DTensor itself (as ``dt.data`` of a PyTorch DTensor is a DTensor), never the placeholder."""
+        return self
+
+    def untyped_storage(self) -> Any:
+        raise ValueError(_NO_COPY.format(what="dt.untyped_storage()"))
+
+    def get_bytes(self) -> Any:   # what ms.save_checkpoint reads
+        raise ValueError(_NO_COPY.format(what="saving a DTensor's bytes (ms.save_checkpoint)"))
+
 
 # ============================================================================== helpers
 _PLACEHOLDERS: dict[Any, Any] = {}
+_NO_COPY = ("{what}: a DTensor's own data is an empty placeholder (its shard is dt.to_local()), so this "
+            "would silently copy nothing; use dt.to_local() (this rank's shard) or dt.full_tensor() (the "
+            "global value), e.g. ms.Parameter(dt.to_local()), or keep the DTensor itself")
 
 
 def _placeholder(dtype):

@@ -295,8 +295,11 @@ class Collectives:
     # --------------------------------------------------------------------------- point-to-point
     def p2p_exchange(self, sends: Any, recvs: Any, group: Any = None, async_op: bool = False) -> Any:
         me = dist.get_rank()
-        if any(traced.tracing(t) for t, _ in sends):
-            traced.unsupported("p2p_exchange")
+        if any(traced.tracing(t) for t, _ in list(sends) + list(recvs)):
+            # traced only where every rank of the group makes the same calls (compile_collectives)
+            if not (async_op and sends and recvs):
+                traced.unsupported("p2p_exchange")
+            return traced.p2p_exchange(self, sends, recvs, group, async_op)
         # a message to oneself (a ring of one rank) is a copy: gloo has no pair to itself
         to_self = [tensor for tensor, peer in sends if peer == me]
         ops, outputs = [], []

@@ -104,9 +104,54 @@ def broadcast(comm: Any, tensor: Any, src: Any, group: Any, async_op: Any) -> An
     return _finish(_wait(_C10D.all_reduce(mine, "sum", _name(group))), async_op)
 
 
+def _group_index(group: Any, peer: int) -> int:
+    return peer if group is None or group is dist.group.WORLD else dist.get_group_rank(group, peer)
+
+
+def p2p_exchange(comm: Any, sends: Any, recvs: Any, group: Any, async_op: bool) -> Any:
+    """The ring's hops while traced: one all-to-all whose only non-empty splits are the peers'
+    (the same bytes as the eager isend / irecv pairs). A collective needs every rank of the group
+    to make the same calls: the ring's asynchronous exchanges do (every rank takes the same steps,
+    on the world group when none is named); the synchronous call sites (linear attention's state
+    exchange, the load-balance swap) do not, and stay a compile boundary (``collectives.py``
+    routes only ``async_op`` exchanges with sends and receives here; docs/compile.md)."""
+    me, n = dist.get_rank(), dist.get_world_size(group)
+    to_self = [t for t, peer in sends if peer == me]
+    pieces: list = [[] for _ in range(n)]
+    in_splits = [0] * n
+    for tensor, peer in sends:
+        if peer != me:
+            flat = tensor.contiguous().reshape(-1)
+            pieces[_group_index(group, peer)].append(flat)
+            in_splits[_group_index(group, peer)] += flat.numel()
+    outputs: list = [None] * len(recvs)
+    expected: list = [[] for _ in range(n)]
+    out_splits = [0] * n
+    for slot, (template, peer) in enumerate(recvs):
+        if peer == me:   # a ring of one rank: a copy
+            outputs[slot] = to_self.pop(0).clone(memory_format=torch.contiguous_format)
+            continue
+        expected[_group_index(group, peer)].append((slot, template.shape))
+        out_splits[_group_index(group, peer)] += template.numel()
+    if len({t.dtype for t, _ in list(sends) + list(recvs)}) != 1:
+        unsupported("p2p_exchange of several dtypes")
+    flat = [p for per_peer in pieces for p in per_peer]
+    send = torch.cat(flat) if flat else recvs[0][0].new_empty(0)
+    if sum(in_splits):
+        comm._record("send_recv", sum(in_splits) * send.element_size(), group)
+    received = _wait(_C10D.all_to_all_single(send, out_splits, in_splits, _name(group)))
+    offset = 0
+    for per_source in expected:   # by source rank, in the order each source sent them
+        for slot, shape in per_source:
+            count = int(torch.Size(shape).numel())
+            outputs[slot] = received[offset:offset + count].view(shape)
+            offset += count
+    return CompletedHandle(outputs) if async_op else outputs
+
+
 def unsupported(op: str) -> Any:
-    """Collectives with no functional form here (point-to-point: ring attention)."""
+    """Collectives with no functional form here (synchronous point-to-point exchanges)."""
     raise NotImplementedError(
-        f"{op} cannot be traced by torch.compile here (no functional point-to-point collective); run "
-        f"this part eagerly: ring attention (kv_exchange='ring') is a documented compile boundary "
-        f"(docs/compile.md)")
+        f"{op} cannot be traced by torch.compile here (a point-to-point exchange whose ranks may make "
+        f"different calls); run this part eagerly: the load-balance / zigzag swap and linear attention's "
+        f"exchanges are documented compile boundaries (docs/compile.md)")

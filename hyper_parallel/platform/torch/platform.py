@@ -39,6 +39,7 @@ class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, TorchComputeState, To
         self._group_ranks: Dict[Any, tuple] = {}
         self._group_timeouts: Dict[Any, Optional[float]] = {}
         self._companions: Dict[Any, Any] = {}   # group -> its agreement_group
+        self._companion_keys: set = set()       # new_group keys whose companion exists
         self._default_timeout_s: Optional[float] = None
 
     # ---------------------------------------------------------------- device
@@ -150,22 +151,27 @@ class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, TorchComputeState, To
             self._groups[key] = group
             self._group_ranks[group] = ranks
             self._group_timeouts[group] = timeout_s if timeout_s is not None else self._default_timeout_s
-        if group not in self._companions:   # here, where every rank creates every group in one order
+        # once per key, where every rank creates every group in one order; not per group object: a
+        # rank outside several groups gets torch's one NON_GROUP_MEMBER for all of them, so only its first
+        # got a companion, the ranks' new_group calls fell out of step and 2-D mesh checks timed out.
+        # Only for a group with its own timeout (a mesh built with timeout=), where a lone rank's wait
+        # is bounded: other meshes do not pay a second gloo group each (an 8-rank mesh test makes dozens)
+        if timeout_s is not None and key not in self._companion_keys:
+            self._companion_keys.add(key)
             self._companions[group] = self._companion(ranks, timeout_s)
         return group
 
     def _companion(self, ranks, timeout_s):
-        timeout_s = timeout_s if timeout_s is not None else self._default_timeout_s
-        kwargs: Dict[str, Any] = ({} if timeout_s is None
-                                  else {"timeout": datetime.timedelta(seconds=timeout_s)})
+        kwargs: Dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
         companion = dist.new_group(list(ranks), use_local_synchronization=False, **kwargs)
         self._group_ranks[companion] = ranks
         self._group_timeouts[companion] = timeout_s
         return companion
 
     def agreement_group(self, group: Any) -> Any:
-        """The companion of a group made by ``new_group`` (core/agreement.py's checks run there:
-        a rank checking alone then waits out the timeout instead of meeting a data collective)."""
+        """The companion of a group ``new_group`` made with a timeout (core/agreement.py's checks run
+        there: a rank checking alone then waits out the timeout instead of meeting a data
+        collective); the group itself otherwise."""
         return self._companions.get(dist.group.WORLD if group is None else group, group)
 
     def group_timeout(self, group: Any) -> Any:
@@ -199,6 +205,7 @@ class TorchPlatform(TorchLinearAlgebra, TorchLongSequence, TorchComputeState, To
         self._group_ranks.clear()
         self._group_timeouts.clear()
         self._companions.clear()
+        self._companion_keys.clear()
 
     # ---------------------------------------------------------------- autograd plumbing for core
     @staticmethod
