@@ -1,4 +1,4 @@
-"""The fused q/k/v all-to-all (core/context_parallel/qkv_all_to_all.py) and the cached steady state
+"""The fused q/k/v all-to-all (core/context_parallel/movement/mode_moves.py) and the cached steady state
 of a ContextParallel call.
 
 * The fused move equals the per-tensor redistribution exactly (it only moves data): the same
@@ -28,7 +28,7 @@ def _moved(mesh, blocks, layout, fused):
     import torch
     from hyper_parallel.core.comm_mode import CommDebugMode
     from hyper_parallel.core.context_parallel.movement import mode_dtensors
-    from hyper_parallel.core.context_parallel.layouts import input_placements, mode_placements
+    from hyper_parallel.core.context_parallel.movement.mode_moves import input_placements, mode_placements
     from hyper_parallel.core.dtensor.dtensor import DTensor
 
     seq, head = LAYOUTS[layout]

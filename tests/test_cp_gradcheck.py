@@ -114,7 +114,7 @@ def _swapped(rank, world_size):
         for mode in ("ulysses", "allgather", "allgather_lb", "ulysses_overlap"):
             core = parallelize_module(_core("bshd", True), mesh,
                                       ContextParallel(seq_dim=dims[0], head_dim=dims[1], **MODES[mode]))
-            # the kernel's check, or (earlier) the seq_dim tracked to the kernel (attention_roles.py)
+            # the kernel's check, or (earlier) the seq_dim tracked to the kernel (core/attention/roles.py)
             with pytest.raises(ValueError, match="do not name q/k/v's sequence and head dims|"
                                                  r"seq_dim names a dim of query .* Use seq_dim=1"):
                 core(q, k, v)

@@ -18,6 +18,35 @@ def test_a_new_object_at_a_dead_ones_address_gets_a_new_key():
     assert all(lifetime_key(t) != key for t in others)
 
 
+
+def test_identity_table_entries_leave_with_their_object():
+    """IdentityTable: by identity, not equality; an entry dies with its object; a new object at the
+    dead one's address finds nothing; an object without weak references is refused."""
+    from hyper_parallel.core.bounded_cache import IdentityTable
+
+    class Thing:
+        def __eq__(self, other):
+            return True   # equal to everything: the table must not care
+
+        __hash__ = object.__hash__
+    table = IdentityTable()
+    first, second = Thing(), Thing()
+    table[first] = "first"
+    assert table.get(first) == "first" and first in table
+    assert table.get(second) is None and second not in table
+    address = id(first)
+    del first
+    assert len(table) == 0
+    others = [Thing() for _ in range(64)]
+    assert any(id(t) == address for t in others), "the freed address never came back: not exercised"
+    assert all(t not in table for t in others)
+    try:
+        table[(1, 2)] = "tuple"
+    except TypeError:
+        pass
+    else:
+        raise AssertionError("a tuple (no weak references) was accepted")
+
 def _reused_address(rank, world_size):
     """A style at a verified style's freed address still runs the first call's check; a style and
     its module are freed with the model (nothing global keeps them)."""

@@ -56,8 +56,8 @@ def test_plan_keeps_kinds_only_and_one_mask_is_alive_at_a_time():
     import torch
     import torch.nn.functional as F
     from hyper_parallel import attention_masks
-    from hyper_parallel.core.context_parallel.masks.block_masks import Span
-    from hyper_parallel.core.context_parallel.masks.masked_attention import masked_attention, plan
+    from hyper_parallel.core.attention.block_masks import Span
+    from hyper_parallel.core.attention.masked_attention import masked_attention, plan
 
     ids, padding, full, w = _inputs()
     allowed = (ids.unsqueeze(-1) == ids.unsqueeze(-2)) & padding.unsqueeze(-2)

@@ -1,4 +1,4 @@
-"""One ring loop, two block kernels (ring.py's ``CausalBlocks``, masked_ring.py's ``MaskedBlocks``).
+"""One ring loop, two block kernels (core/attention/causal_blocks.py's ``CausalBlocks``, masked_ring.py's ``MaskedBlocks``).
 
 * ``masked_ring_attention`` directly (packed documents + padding, causal or not, contiguous and
   zigzag chunks, K/V heads that split into the ring's head groups and heads that do not, GQA) equals

@@ -1,6 +1,6 @@
 """ContextParallel told a seq_dim that is not q/k/v's sequence, with sizes where the shapes cannot tell
 (B·P == S_local == heads): the sequence dim is followed through the module's relayouts to the
-attention kernel (attention_roles.py), so every mode either equals one process (forward and the
+attention kernel (core/attention/roles.py), so every mode either equals one process (forward and the
 gradients of q, k, v) or raises a ValueError naming seq_dim and the fix on every rank.
 
 Table: mode x (layout, seq_dim, head_dim) x kernel entry (a transpose then sdpa; a permute and

@@ -4,7 +4,7 @@ sinks (gpt-oss) and a sliding window (Mistral, Gemma 2/3) — on plain tensors a
 
 A module under ContextParallel that needs a variant calls this instead of sdpa, in the same place
 and with the same (batch, heads, seq, dim) tensors. On plain tensors it computes the attention
-exactly (attention_variant_kernel.py); on DTensors it is the op "attention": its sharding rule
+exactly (core/attention/variant_kernel.py); on DTensors it is the op "attention": its sharding rule
 (core/dtensor/ops/attention_variants.py) serves Ulysses, all-gather KV (± load balance) and their
 hybrid, and the ring and ``attention_masks`` interceptors run their block kernels with the same
 variant. Every argument is checked here, before anything moves; what a mode cannot compute is a
@@ -14,7 +14,7 @@ from typing import Any
 from hyper_parallel.core.agreement_attention import agree_on_variant
 from hyper_parallel.core.arguments import check_int, check_optional_float
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.dtensor.ops.attention_variant_kernel import Variant, variant_attention
+from hyper_parallel.core.attention.variant_kernel import Variant, variant_attention
 from hyper_parallel.core.dtensor.ops.attention_variants import AttentionExtras
 
 

@@ -12,7 +12,7 @@ from hyper_parallel.core.context_parallel.checks import (NAMES, agree_on_call, c
                                                          check_whole_sequence, normalise_dims,
                                                          suspect_whole_sequence)
 from hyper_parallel.core.context_parallel.movement import mode_dtensors
-from hyper_parallel.core.context_parallel.layouts import input_placements
+from hyper_parallel.core.context_parallel.movement.mode_moves import input_placements
 from hyper_parallel.core.context_parallel.load_balance import merge_head_tail, split_head_tail
 from hyper_parallel.core.context_parallel.masks.mask_mode import with_masks
 from hyper_parallel.core.context_parallel.masks.attention_masks import active_masks, check_masks
@@ -21,7 +21,7 @@ from hyper_parallel.core.context_parallel.overlap.pipeline import pipelinable, r
 from hyper_parallel.core.context_parallel.ring.ring_mode import run_ring
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.dtensor.ops.attention_roles import AttentionRoles, expecting, tracking
+from hyper_parallel.core.attention.roles import AttentionRoles, expecting, tracking
 from hyper_parallel.core.dtensor.placement_types import HeadTailShard, Replicate
 from hyper_parallel.platform import get_platform
 
@@ -303,7 +303,7 @@ def agreeing(mesh: Any, call: Any, site: Any) -> Any:
 
 
 def _promising(style, inputs, ulysses_dims, gather_dims, call):
-    """``call`` with the attention kernel told how this mode splits q (attention_roles.py)."""
+    """``call`` with the attention kernel told how this mode splits q (core/attention/roles.py)."""
     splits = tuple([(m, "heads") for m in ulysses_dims] + [(m, "seq") for m in gather_dims])
     roles = AttentionRoles(inputs.mesh, splits, inputs.shapes[0][inputs.seq], _label(style))
     # the sequence dim is also followed to the kernel, once per signature (attention_roles.tracking)

@@ -20,7 +20,7 @@ collectives, the same gradient layouts, one graph node instead of two DTensor wr
 """
 from typing import Any
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
-from hyper_parallel.core.bounded_cache import BoundedCache
+from hyper_parallel.core.bounded_cache import BoundedCache, lifetime_key
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
 from hyper_parallel.core.dtensor.layout import grad_placements, placements_from_orders, shard_orders
 from hyper_parallel.core.dtensor.placement_types import Replicate
@@ -83,15 +83,15 @@ def _decision(out, inputs, ulysses_dims):
     """(the output's seq dim, the caller's placements, its spec): cached per signature; every input
     of output_seq_dim / caller_placements is in the key, so a hit is the same decision."""
     spec = out._spec
-    key = (id(inputs.mesh), spec.placements, spec.shape, tuple(inputs.shapes[0]), inputs.seq, inputs.head,
-           tuple(inputs.cp_dims), tuple(ulysses_dims))
+    key = (lifetime_key(inputs.mesh), spec.placements, spec.shape, tuple(inputs.shapes[0]), inputs.seq,
+           inputs.head, tuple(inputs.cp_dims), tuple(ulysses_dims))
     found = _DECISIONS.get(key)
-    if found is not None and found[3] is inputs.mesh and found[2].mesh is spec.mesh:
+    if found is not None and found[2].mesh is spec.mesh:
         return found
     seq = output_seq_dim(out, inputs, ulysses_dims)
     target = caller_placements(tuple(out.placements), inputs.mesh, out.ndim, seq, inputs.cp_dims)
     found = (seq, target, spec.with_placements(target), inputs.mesh)
-    _DECISIONS[key] = found   # holds the mesh: its id cannot be reused while the entry lives
+    _DECISIONS[key] = found
     return found
 
 

@@ -11,7 +11,8 @@ Checkpoints that change the mesh or placements go through ``torch.distributed.ch
 protocol (each piece's global offsets) the platform's DTensor implements from ``local_box``.
 """
 from typing import Any
-from hyper_parallel.core.dtensor.dtensor import DTensor, attach
+
+from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.mesh_registry import find_mesh, remember_mesh
 from hyper_parallel.core.dtensor.placement_types import HeadTailShard, Partial, Replicate, Shard, StridedShard
 from hyper_parallel.core.dtensor.spec import DTensorSpec
@@ -81,9 +82,3 @@ def checkpoint_box(dtensor: Any) -> Any:
     offsets = tuple(int(start) for start, _ in box)
     sizes = tuple(int(size) for _, size in box)
     return offsets, sizes
-
-
-# the hooks of pickling and torch.distributed.checkpoint, called by the platform's DTensor base
-attach("_hp_describe", describe, kind=None)
-attach("_hp_checkpoint_box", checkpoint_box, kind=None)
-attach("_hp_rebuild", rebuild)

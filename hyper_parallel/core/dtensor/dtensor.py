@@ -4,12 +4,15 @@ The class is framework-neutral: the platform supplies its base (for torch, a wra
 subclass) and core does the rest. Conversions between local and distributed views and between
 layouts are the three differentiable functions below.
 
-DTensor imports none of the code that runs ops on it: the dispatcher (``dispatch/``), the aten-level
-path (``aten/``), checkpointing and the casting redistribution each attach their entry points to
-the class when imported (``attach``), the way sharding rules register themselves; the package's
-``__init__`` imports them all. So every module here can import DTensor, and DTensor none of them.
+Every entry point the platform's base class calls is a method of the class below, delegating to one
+``EntryPoints`` object: the dispatcher (``dispatch/``), the aten-level path (``aten/``),
+checkpointing and the casting redistribution. Those modules import DTensor (to wrap their
+results), so DTensor cannot import them (tests/test_import_graph.py: no cycle, deferred imports
+counted); the package's ``__init__`` binds them to ``ENTRY_POINTS`` in one visible call. Nothing is
+installed on the class itself.
 """
 from typing import Any, Callable, Optional, Sequence, Tuple
+
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.dtensor import rank_check as rc
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
@@ -32,20 +35,41 @@ class DTensor(get_platform().DTensorBase):  # type: ignore[misc]  # the platform
         obj._spec = spec
         return obj
 
-    # ------------------------------------------------------------------ attached entry points
-    # The platform's base class calls these; the modules that implement them replace them when
-    # imported (see ``attach``): _hp_function (dispatch/fast_path.py), _hp_replicated
-    # (dispatch/fallback.py), _hp_aten (aten/aten_dispatch.py), _hp_fused (aten/foreach.py),
-    # _hp_describe / _hp_checkpoint_box / _hp_rebuild (checkpoint.py), _redistribute_cast
-    # (redistribute_cast.py).
-    _hp_function: Any = None
-    _hp_replicated: Any = None
-    _hp_aten: Any = None
-    _hp_fused: Any = None
-    _redistribute_cast: Any = None
-    _hp_describe: Any = None
-    _hp_checkpoint_box: Any = None
-    _hp_rebuild: Any = None
+    # ------------------------------------------------------------------ entry points
+    # The platform's base class calls these; each delegates to the module that implements it.
+    @staticmethod
+    def _hp_function(name, func, args, kwargs, hit_only=False):
+        """Every user-level op call on a DTensor: the fast path, else rule -> redistribute -> local
+        op -> wrap (dispatch/fast_path.py, dispatch/dispatcher.py)."""
+        return ENTRY_POINTS.function(name, func, args, kwargs, hit_only)
+
+    @staticmethod
+    def _hp_replicated(name, op, args, kwargs):
+        """An op without a rule at the function level (MindSpore): replicated (dispatch/fallback.py)."""
+        return ENTRY_POINTS.replicated(name, op, args, kwargs)
+
+    @staticmethod
+    def _hp_aten(func, args, kwargs):
+        """An aten op reaching a DTensor below autograd (torch; aten/aten_dispatch.py)."""
+        return ENTRY_POINTS.aten(func, args, kwargs)
+
+    @staticmethod
+    def _hp_fused(func, args, kwargs):
+        """A fused optimizer step (torch's ``_fused_*`` ops; aten/foreach.py)."""
+        return ENTRY_POINTS.fused(func, args, kwargs)
+
+    def _hp_describe(self):
+        """The plain-data description a pickled DTensor carries (checkpoint.py)."""
+        return ENTRY_POINTS.describe(self)
+
+    def _hp_checkpoint_box(self):
+        """(offsets, sizes) of this rank's piece for a checkpoint, or None (checkpoint.py)."""
+        return ENTRY_POINTS.checkpoint_box(self)
+
+    @staticmethod
+    def _hp_rebuild(local, mesh_desc, placements, shape, requires_grad):
+        """A DTensor from its pickled description (checkpoint.py)."""
+        return ENTRY_POINTS.rebuild(local, mesh_desc, placements, shape, requires_grad)
 
     # gradient-layout hooks: MindSpore's autograd bridge carries gradients as local tensors
     def _hp_grad_spec(self):
@@ -119,7 +143,7 @@ class DTensor(get_platform().DTensorBase):  # type: ignore[misc]  # the platform
             raise ValueError("redistribute needs placements, e.g. [Replicate()]")
         placements = normalize_placements(placements, self.ndim, self._spec.mesh.ndim)
         if forward_dtype is not None or backward_dtype is not None:
-            return DTensor._redistribute_cast(self, placements, forward_dtype, backward_dtype)
+            return ENTRY_POINTS.redistribute_cast(self, placements, forward_dtype, backward_dtype)
         if placements == self._spec.placements:
             return self
         return _redistribute(self, placements)
@@ -149,12 +173,44 @@ class DTensor(get_platform().DTensorBase):  # type: ignore[misc]  # the platform
                 f"placements={self._spec.placements}, shape={tuple(self._spec.shape)})")
 
 
-def attach(name: str, function: Callable[..., Any],
-           kind: Optional[Callable[[Callable[..., Any]], Any]] = staticmethod) -> None:
-    """Install ``function`` as ``DTensor.<name>`` (``kind``: staticmethod, or None for a method that
-    receives the DTensor): the entry points listed in the class are attached by the modules that
-    implement them, when imported."""
-    setattr(DTensor, name, function if kind is None else kind(function))
+class EntryPoints:
+    """The functions DTensor's entry points delegate to, one field each (the module that defines it):
+    function (dispatch/fast_path.py ``dispatch``), replicated (dispatch/fallback.py ``run_replicated``),
+    aten (aten/aten_dispatch.py ``dispatch_aten``), fused (aten/foreach.py ``run_fused``), describe /
+    checkpoint_box / rebuild (checkpoint.py), redistribute_cast (redistribute_cast.py). Bound once,
+    by ``hyper_parallel.core.dtensor``'s ``__init__`` (``bind``)."""
+    __slots__ = ("function", "replicated", "aten", "fused", "describe", "checkpoint_box", "rebuild",
+                 "redistribute_cast")
+    function: Callable[..., Any]
+    replicated: Callable[..., Any]
+    aten: Callable[..., Any]
+    fused: Callable[..., Any]
+    describe: Callable[..., Any]
+    checkpoint_box: Callable[..., Any]
+    rebuild: Callable[..., Any]
+    redistribute_cast: Callable[..., Any]
+
+    def __init__(self) -> None:
+        for field in self.__slots__:
+            setattr(self, field, _unbound(field))
+
+    def bind(self, **functions: Callable[..., Any]) -> None:
+        """Set every field (all at once, so a missing one fails here rather than at first use)."""
+        if set(functions) != set(self.__slots__):
+            raise ValueError(f"EntryPoints.bind needs exactly {sorted(self.__slots__)}, "
+                             f"got {sorted(functions)}")
+        for field, function in functions.items():
+            setattr(self, field, function)
+
+
+def _unbound(field: str) -> Callable[..., Any]:
+    def unbound(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"DTensor's {field!r} entry point is used before hyper_parallel.core.dtensor "
+                           f"finished importing; import hyper_parallel.core.dtensor first")
+    return unbound
+
+
+ENTRY_POINTS = EntryPoints()
 
 
 # ---------------------------------------------------------------------- differentiable conversions
@@ -292,4 +348,4 @@ def _local_spec(local_tensor, mesh, placements, shape):
     return DTensorSpec(mesh, placements, tuple(int(s) for s in shape)), None
 
 
-__all__ = ["DTensor", "as_layout", "attach"]
+__all__ = ["DTensor", "EntryPoints", "ENTRY_POINTS", "as_layout"]

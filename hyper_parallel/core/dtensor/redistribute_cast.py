@@ -9,7 +9,7 @@ requires.
 """
 from typing import Any
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
-from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout, attach
+from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
 from hyper_parallel.core.dtensor.layout import grad_placements
 from hyper_parallel.core.dtensor.redistribute import redistribute_local
 from hyper_parallel.platform import get_platform
@@ -51,6 +51,3 @@ def redistribute_cast(dtensor: Any, placements: Any, forward_dtype: Any, backwar
     if platform.is_grad_enabled() and dtensor.requires_grad:
         return _fn(dtensor, placements, forward_dtype, backward_dtype)
     return _forward(_NoCtx(), dtensor, placements, forward_dtype, backward_dtype)
-
-
-attach("_redistribute_cast", redistribute_cast)

@@ -16,39 +16,30 @@ the sharded DTensor it installed, with the parameter's path. Three checks read t
   Parameter fully_shard replaced (built before fully_shard, or before ``to_empty``) would step
   tensors no module uses and train nothing; it raises naming the fix.
 
-The record is keyed by ``id`` with a weak reference that removes the entry when the object dies,
-so an id reused by a new object never matches.
+The record is an ``IdentityTable`` (core/bounded_cache.py): an entry leaves with its object, so a
+new object at a reused address never matches.
 """
-import weakref
 from typing import Any, Optional
 
 from hyper_parallel.core.agreement import check_agreement
-from hyper_parallel.core.bounded_cache import lifetime_key
+from hyper_parallel.core.bounded_cache import IdentityTable, lifetime_key
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.platform import get_platform
 
-_REPLACED: dict = {}   # id -> (weakref, text): objects fully_shard replaced (a module no longer uses them)
-_SHARDED: dict = {}    # id -> (weakref, text): the sharded DTensors fully_shard installed
+_REPLACED = IdentityTable()   # object -> text: objects fully_shard replaced (a module no longer uses them)
+_SHARDED = IdentityTable()    # object -> text: the sharded DTensors fully_shard installed
 _HOOKED = [False]
 
 
-def _remember(table: dict, obj: Any, text: str) -> None:
-    key = id(obj)
-
-    def forget(ref, key=key):
-        if table.get(key, (None,))[0] is ref:
-            del table[key]
+def _remember(table: IdentityTable, obj: Any, text: str) -> None:
     try:
-        table[key] = (weakref.ref(obj, forget), text)
+        table[obj] = text
     except TypeError:   # an object without weak references: not recorded (no false match either)
         pass
 
 
-def _lookup(table: dict, obj: Any) -> Optional[str]:
-    entry = table.get(id(obj))
-    if entry is None or entry[0]() is not obj:
-        return None
-    return entry[1]
+def _lookup(table: IdentityTable, obj: Any) -> Optional[str]:
+    return table.get(obj)
 
 
 def module_paths(root: Any) -> dict:

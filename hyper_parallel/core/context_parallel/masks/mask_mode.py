@@ -10,11 +10,11 @@ from the layouts too (a batch split elsewhere in the mesh slices the masks alike
 """
 from typing import Any
 from hyper_parallel.core.agreement_attention import agree_on_attention
-from hyper_parallel.core.context_parallel.masks.block_masks import Span
-from hyper_parallel.core.context_parallel.masks.masked_attention import masked_attention
+from hyper_parallel.core.attention.block_masks import Span
+from hyper_parallel.core.attention.masked_attention import masked_attention
 from hyper_parallel.core.dtensor.dispatch.interceptors import Interceptor, intercepting
-from hyper_parallel.core.dtensor.ops.attention import ARG_NAMES
-from hyper_parallel.core.dtensor.ops.attention_roles import SeqTracking
+from hyper_parallel.core.attention.offset_causal import ARG_NAMES
+from hyper_parallel.core.attention.roles import SeqTracking
 from hyper_parallel.core.dtensor.ops.attention_variants import call_variant, local_sinks
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy
 
@@ -53,7 +53,7 @@ class MaskInterceptor(SeqTracking, Interceptor):
         self.used = False
 
     def strategy(self, call: Any) -> Any:
-        self.check_kernel(call)   # seq_dim must reach the kernel's sequence dim (attention_roles.py)
+        self.check_kernel(call)   # seq_dim must reach the kernel's sequence dim (core/attention/roles.py)
         if call.name not in ("sdpa", "attention"):
             raise ValueError("attention_masks with npu_fusion_attention under ContextParallel is not "
                              "supported (its TND actual_seq_qlen/kvlen cover packed sequences split along T "

@@ -8,8 +8,9 @@ document boundary, padding or the causal diagonal empties is skipped without com
 (load balancing) each rank holds chunks 2r and 2P-1-2r, and the positions follow them.
 """
 from typing import Any
-from hyper_parallel.core.context_parallel.masks import masked_attention as kernel
-from hyper_parallel.core.context_parallel.masks.block_masks import Span
+
+from hyper_parallel.core.attention import masked_attention as kernel
+from hyper_parallel.core.attention.block_masks import Span
 from hyper_parallel.core.context_parallel.ring.ring_attention import run_ring
 
 BATCH = 0

@@ -24,7 +24,7 @@ from hyper_parallel.core.context_parallel.masks.mask_mode import with_masks
 from hyper_parallel.core.context_parallel.mode import _Inputs, _load_balanced
 from hyper_parallel.core.context_parallel.output import first_output, to_caller
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.dtensor.ops.attention_roles import AttentionRoles, expecting
+from hyper_parallel.core.attention.roles import AttentionRoles, expecting
 from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, Shard
 
 SEQ, HEAD = 2, 1   # (batch, heads, seq, dim)

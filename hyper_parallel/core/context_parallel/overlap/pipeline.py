@@ -29,7 +29,7 @@ import contextlib
 from dataclasses import replace
 
 from hyper_parallel.core.bounded_cache import BoundedCache, lifetime_key
-from hyper_parallel.core.context_parallel.layouts import mode_placements
+from hyper_parallel.core.context_parallel.movement.mode_moves import mode_placements
 from hyper_parallel.core.context_parallel.output import output_seq_dim
 from hyper_parallel.core.context_parallel.movement import Block, KVAllGather, QKVAllToAll, start_output
 from hyper_parallel.core.dtensor.dtensor import DTensor

@@ -2,10 +2,10 @@
 log-sum-exp, so no rank ever holds more than two K/V blocks (memory O(S/P)).
 
 One loop serves every ring: what runs on a (local query chunk, visiting key chunk) pair is a
-*block kernel* given the pair's global positions. ``CausalBlocks`` (here) skips chunks wholly above
-the causal diagonal and runs the kernel's causal mask on the diagonal; ``MaskedBlocks``
-(masked_ring.py) runs the tiled masked kernel of ``attention_masks`` and skips the tiles a document
-boundary, padding or the diagonal empties. A kernel returns None for a pair it skips.
+*block kernel* given the pair's global positions. ``CausalBlocks`` (core/attention/causal_blocks.py)
+skips chunks wholly above the causal diagonal and runs the kernel's causal mask on the diagonal;
+``MaskedBlocks`` (masked_ring.py) runs the tiled masked kernel of ``attention_masks`` and skips the
+tiles a document boundary, padding or the diagonal empties. A kernel returns None for a pair it skips.
 
 Forward, P steps: start sending the current K/V block to the next rank, attend the local queries
 to it, merge in float32, then take the block that arrived. Backward recomputes each block's
@@ -32,14 +32,9 @@ from typing import Any
 from dataclasses import dataclass
 
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
-from hyper_parallel.core.context_parallel.masks.block_masks import Span
-from hyper_parallel.core.context_parallel.masks.masked_attention import empty_result
-from hyper_parallel.core.dtensor.ops.attention import expand_heads as _expand_heads
-from hyper_parallel.core.dtensor.ops.attention import fold_heads as _fold_heads
-from hyper_parallel.core.dtensor.ops.attention import merge_blocks as _merge
-from hyper_parallel.core.dtensor.ops.attention_band import band_mask, relation
-from hyper_parallel.core.dtensor.ops.attention_lse import clear_empty_rows, fold_sinks, sinks_grad
-from hyper_parallel.core.dtensor.ops.attention_lse import merge as merge_lse
+from hyper_parallel.core.attention.block_masks import Span
+from hyper_parallel.core.attention.causal_blocks import CausalBlocks
+from hyper_parallel.core.attention.lse import fold_sinks, sinks_grad
 from hyper_parallel.platform import get_platform
 
 SEQ, HEADS = -2, -3  # kernels see (batch, heads, seq, dim); the log-sum-exp is (batch, heads, seq)
@@ -70,50 +65,6 @@ class RingLayout:
         ids = self.chunk_ids(position)
         size = length // len(ids)
         return [Span(i * size, size) for i in ids]
-
-
-class CausalBlocks:
-    """The unmasked block kernel: a key chunk after the query chunk is skipped under ``causal``, the
-    same chunk runs the kernel's causal mask, an earlier one runs unmasked. With a sliding
-    ``window`` a chunk wholly outside it is skipped too, and one it cuts runs a positional mask
-    (attention_band.py); ``softcap`` goes to the block kernel."""
-    empty = staticmethod(empty_result)   # never needed: every query chunk sees its own chunk
-    repeats_kv = True                    # GQA: the whole K/V block is repeated to the query heads
-
-    def __init__(self, causal: Any, scale: Any, softcap: Any = None, window: Any = None) -> None:
-        self.causal, self.scale, self.softcap, self.window = causal, scale, softcap, window
-        # a window can leave a row without keys in one chunk: the -inf-safe merge
-        self.merge = _merge if window is None else merge_lse
-
-    def _relation(self, q_span, k_span):
-        return relation(q_span.start, q_span.length, k_span.start, k_span.length, self.causal, self.window)
-
-    def _mask(self, relation_, q, q_span, k_span):
-        if relation_ != "mask":
-            return None
-        return band_mask(q_span.start, q_span.length, k_span.start, k_span.length, self.causal, self.window,
-                         q.device)
-
-    def forward(self, q: Any, k: Any, v: Any, q_span: Any, k_span: Any) -> Any:
-        kind = self._relation(q_span, k_span)
-        if kind == "skip":
-            return None
-        groups, mask = q.shape[HEADS] // k.shape[HEADS], self._mask(kind, q, q_span, k_span)
-        k, v = _expand_heads(k, groups), _expand_heads(v, groups)
-        out, lse = get_platform().attention_block_forward(q, k, v, kind == "diag", self.scale, mask=mask,
-                                                          softcap=self.softcap)
-        return (out, lse) if mask is None else clear_empty_rows(out, lse, mask)
-
-    def backward(self, grad_out: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, q_span: Any,
-                 k_span: Any) -> Any:
-        kind = self._relation(q_span, k_span)
-        if kind == "skip":
-            return None
-        groups, mask = q.shape[HEADS] // k.shape[HEADS], self._mask(kind, q, q_span, k_span)
-        dq, dk, dv = get_platform().attention_block_backward(
-            grad_out, q, _expand_heads(k, groups), _expand_heads(v, groups), out, lse, kind == "diag",
-            self.scale, mask=mask, softcap=self.softcap)
-        return dq, _fold_heads(dk, groups), _fold_heads(dv, groups)
 
 
 class QueryHeadChunks:

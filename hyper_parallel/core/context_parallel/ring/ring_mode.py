@@ -16,15 +16,15 @@ from hyper_parallel.core.context_parallel.masks.attention_masks import active_ma
 from hyper_parallel.core.context_parallel.ring.ring_attention import RingLayout, ring_attention
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.dispatch.interceptors import Interceptor, intercepting
-from hyper_parallel.core.dtensor.ops.attention import ARG_NAMES
-from hyper_parallel.core.dtensor.ops.attention_roles import SeqTracking
+from hyper_parallel.core.attention.offset_causal import ARG_NAMES
+from hyper_parallel.core.attention.roles import SeqTracking
 from hyper_parallel.core.dtensor.ops.attention_variants import call_variant, local_sinks
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy
 
 
 class RingInterceptor(SeqTracking, Interceptor):
     """Follows q, k, v to the attention op and runs ``kernel(q, k, v, variant, sinks)`` there
-    (their sequence dim tracked and checked there, attention_roles.py)."""
+    (their sequence dim tracked and checked there, core/attention/roles.py)."""
     pass_through = frozenset({"transpose", "permute", "movedim", "t", "view", "identity", "cast", "expand",
                               "contiguous"})
     consumers = frozenset({"sdpa", "attention", "npu_fusion_attention"})

@@ -7,7 +7,7 @@ so the redistributions here are plain (non-differentiable) moves.
 from typing import Any
 from hyper_parallel.core.dtensor.aten import writeback
 from hyper_parallel.core.dtensor.aten.aten_rules import copy_source, run_by_rule
-from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout, attach
+from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
 from hyper_parallel.core.dtensor.dispatch.dispatcher import common_mesh, ensure_leaf_grad_layout
 from hyper_parallel.core.dtensor.dispatch.fallback import report_missing_rule
 from hyper_parallel.core.dtensor.aten.inplace_shape import reshape_in_place
@@ -341,6 +341,3 @@ def _written_dtensors(func, args, kwargs):
         for t in target if isinstance(target, (list, tuple)) else [target]:
             if isinstance(t, DTensor):
                 yield t
-
-
-attach("_hp_aten", dispatch_aten)   # torch's aten-level ops on DTensors

@@ -8,7 +8,7 @@ norm (``_foreach_norm``) is combined from the shards' norms instead of gathering
 from typing import Any
 import math
 
-from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout, attach
+from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
 from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.core.dtensor.spec import DTensorSpec
 from hyper_parallel.platform import get_platform
@@ -104,6 +104,3 @@ def run_fused(func: Any, args: Any, kwargs: Any) -> Any:
     for target, local, spec in moved:
         target._local_tensor.copy_(as_layout(DTensor._make(local, spec), target._spec)._local_tensor)
     return None
-
-
-attach("_hp_fused", run_fused)   # fused optimizer steps

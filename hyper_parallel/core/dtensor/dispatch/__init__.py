@@ -3,5 +3,5 @@ the framework's autograd -> wrapped outputs (dispatcher.py); the cache-hit fast 
 fast_autograd.py) and the per-signature decision cache (decision_cache.py); the one extension point
 (interceptors.py); ops without a rule (fallback.py); nested arguments (tree.py).
 
-Nothing is imported here: ``hyper_parallel.core.dtensor`` imports the modules that attach their entry
-points to DTensor, so importing one module of this package never pulls in the others."""
+Nothing is imported here, so importing one module of this package never pulls in the others;
+DTensor's entry points (dtensor.py) import the ones they delegate to on first use."""

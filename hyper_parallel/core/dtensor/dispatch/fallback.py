@@ -4,7 +4,7 @@ import contextlib
 import os
 import warnings
 from hyper_parallel.core.dtensor.dispatch.tree import tree_flatten, tree_unflatten
-from hyper_parallel.core.dtensor.dtensor import DTensor, attach
+from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.platform import get_platform
 
@@ -61,6 +61,3 @@ def run_replicated(name: str, op: Any, args: Any, kwargs: Any) -> Any:
     is_tensor = get_platform().is_tensor
     wrapped = [DTensor.from_local(o, mesh, replicate) if is_tensor(o) else o for o in out_leaves]
     return tree_unflatten(wrapped, out_structure)
-
-
-attach("_hp_replicated", run_replicated)   # MindSpore's function-level fallback

@@ -27,11 +27,11 @@ one wrap. With autograd it builds the slow path's nodes with the same gradient s
 pass-through dims (``_run_differentiable``), so gradients are the slow path's exactly.
 """
 from typing import Any
-from hyper_parallel.core.bounded_cache import BoundedCache
+from hyper_parallel.core.bounded_cache import BoundedCache, lifetime_key
 from hyper_parallel.core.dtensor.dispatch import decision_cache
 from hyper_parallel.core.dtensor.dispatch.dispatcher import (_passthrough, dispatch_function,
                                                              ensure_leaf_grad_layout, input_grad_placements)
-from hyper_parallel.core.dtensor.dtensor import DTensor, GradPassThrough, attach
+from hyper_parallel.core.dtensor.dtensor import DTensor, GradPassThrough
 from hyper_parallel.core.dtensor.dispatch.fast_autograd import from_local, to_locals
 from hyper_parallel.core.dtensor.dispatch.interceptors import _stack, involved
 from hyper_parallel.platform import get_platform
@@ -254,7 +254,7 @@ def _record(key, args, targets, out_placements, result):
 
 def intern(spec: Any) -> Any:
     """The one spec object standing for ``spec``'s value on ``spec``'s mesh object."""
-    k = (id(spec.mesh), spec.placements, spec.shape)
+    k = (lifetime_key(spec.mesh), spec.placements, spec.shape)
     found = _SPECS.get(k)
     if found is None:
         _SPECS[k] = found = spec
@@ -281,6 +281,3 @@ decision_cache.ON_CLEAR.append(clear)
 
 
 __all__ = ["STATS", "clear", "dispatch", "intern"]
-
-
-attach("_hp_function", dispatch)   # every op on a DTensor enters here (dtensor.py)

@@ -16,7 +16,8 @@ The dispatcher knows nothing else about the features that use it.
 from typing import Any, Iterator
 import contextlib
 import contextvars
-import weakref
+
+from hyper_parallel.core.bounded_cache import IdentityTable
 
 _stack: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("hp_dispatch_interceptors",
                                                                          default=())
@@ -27,14 +28,13 @@ class Interceptor:
     consumers: frozenset[Any] = frozenset()
 
     def __init__(self) -> None:
-        self._followed: dict[Any, Any] = {}
+        self._followed = IdentityTable()   # tensor -> True while it lives
 
     def follow(self, tensor: Any) -> None:
-        self._followed[id(tensor)] = weakref.ref(tensor)
+        self._followed[tensor] = True
 
     def follows(self, tensor: Any) -> bool:
-        ref = self._followed.get(id(tensor))
-        return ref is not None and ref() is tensor
+        return tensor in self._followed
 
     def passed(self, call: Any, inputs: Any, outputs: Any) -> None:
         """A pass-through op ran on followed ``inputs`` (the call's leaves): follow its DTensor

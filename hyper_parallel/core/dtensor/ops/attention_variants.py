@@ -4,7 +4,7 @@ a sliding window or sinks on (batch, heads, seq, dim) DTensors.
 The layouts are sdpa's (attention.py): per mesh dim everything replicated, batch or heads split on
 q, k, v alike, or q split along the sequence with k, v replicated (all-gather KV, the head-tail
 split included). The keys are whole on every rank in each of them, so the local op is
-attention_variant_kernel.py on the local blocks, told the global position of its first query row
+core/attention/variant_kernel.py on the local blocks, told the global position of its first query row
 (the causal diagonal and the window are global) and which heads it holds (the sinks are one logit
 per global head; a rank's gradient covers its heads and rows, summed over ranks by the caller's
 data parallelism, as every parameter gradient under context parallelism is).
@@ -12,8 +12,8 @@ data parallelism, as every parameter gradient under context parallelism is).
 from typing import Any
 from hyper_parallel.core.dtensor.layout import numel
 from hyper_parallel.core.dtensor.ops.attention import _candidates
-from hyper_parallel.core.dtensor.ops.attention_roles import check_query
-from hyper_parallel.core.dtensor.ops.attention_variant_kernel import Variant, variant_attention
+from hyper_parallel.core.attention.roles import check_query
+from hyper_parallel.core.attention.variant_kernel import Variant, variant_attention
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.ops.strategy_search import pick
 
@@ -61,7 +61,7 @@ def attention_rule(call: Any) -> Any:
     qs, ks, vs = call.spec(q), call.spec(k), call.spec(v)
     if qs is None or ks is None or vs is None:
         return None
-    check_query(qs)   # inside a ContextParallel call: q split as that call promised (attention_roles.py)
+    check_query(qs)   # inside a ContextParallel call: q split as that call promised (core/attention/roles.py)
     extras = call.arg(3, "extras")
     q_t, k_t, v_t = _layouts(call, qs, ks, vs)
     q_start = qs.with_placements(q_t).local_box()[SEQ][0]

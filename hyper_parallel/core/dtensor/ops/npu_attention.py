@@ -17,7 +17,7 @@ Per mesh dim the rule picks one of (cheapest first, see ``strategy_search.pick``
 * TND with query, key and value all split along T alike (data parallelism over packed
   sequences, as the reference does it): every rank's T range must hold whole sequences (the
   same ones for q and k/v); the kernel runs on the local tokens with ``actual_seq_qlen`` /
-  ``actual_seq_kvlen`` rebased to the local range (npu_attention_packed.py).
+  ``actual_seq_kvlen`` rebased to the local range (core/attention/npu_packed.py).
 
 Errors (ValueError): key/value split along the sequence outside that TND case (that needs ring
 attention), a packed TND split that cuts a sequence, head counts
@@ -27,11 +27,11 @@ cover T.
 """
 from typing import Any
 from hyper_parallel.core.dtensor.layout import numel
-from hyper_parallel.core.dtensor.ops.npu_attention_args import (NpuAttentionArgs, NpuAttentionGeometry,
+from hyper_parallel.core.attention.npu_args import (NpuAttentionArgs, NpuAttentionGeometry,
                                                                 packed_sequence_ends)
-from hyper_parallel.core.dtensor.ops.npu_attention_band import (call_dense_rows, call_tnd_rows, local_band,
+from hyper_parallel.core.attention.npu_band import (call_dense_rows, call_tnd_rows, local_band,
                                                                 narrow)
-from hyper_parallel.core.dtensor.ops.npu_attention_packed import (check_packed_split, local_packed_lengths,
+from hyper_parallel.core.attention.npu_packed import (check_packed_split, local_packed_lengths,
                                                                   packed_split)
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.ops.strategy_search import pick

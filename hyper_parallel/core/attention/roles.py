@@ -35,9 +35,9 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Iterator, Optional
 
-from hyper_parallel.core.bounded_cache import BoundedCache
+from hyper_parallel.core.bounded_cache import BoundedCache, IdentityTable
 from hyper_parallel.core.dtensor.dispatch.interceptors import Interceptor, intercepting
-from hyper_parallel.core.dtensor.ops.npu_attention_args import LAYOUTS, NpuAttentionArgs
+from hyper_parallel.core.attention.npu_args import LAYOUTS, NpuAttentionArgs
 from hyper_parallel.core.dtensor.ops.view import _permutation, reshape_groups
 
 _ACTIVE: list = []
@@ -135,7 +135,7 @@ class SeqTracking(Interceptor):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._seq: dict = {}   # id -> sequence dim (None: unknown), read only while follows() holds
+        self._seq = IdentityTable()   # tensor -> sequence dim (None: unknown)
         self.label = "ContextParallel"
 
     def track(self, tensors: Iterable, seq: Optional[int], label: str) -> None:
@@ -145,10 +145,10 @@ class SeqTracking(Interceptor):
 
     def follow(self, tensor: Any, seq: Optional[int] = None) -> None:
         super().follow(tensor)
-        self._seq[id(tensor)] = seq
+        self._seq[tensor] = seq
 
     def seq_of(self, tensor: Any) -> Optional[int]:
-        return self._seq.get(id(tensor)) if self.follows(tensor) else None
+        return self._seq.get(tensor) if self.follows(tensor) else None
 
     def passed(self, call: Any, inputs: list, outputs: list) -> None:
         if call.name in _KERNELS:

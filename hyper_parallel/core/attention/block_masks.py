@@ -16,7 +16,7 @@ masks.py), and only a ``masked`` tile's mask moves to the device of q.
 from typing import Any
 from dataclasses import dataclass
 
-from hyper_parallel.core.dtensor.ops.attention_band import band_mask, relation
+from hyper_parallel.core.attention.band import band_mask, relation
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ _BY_POSITION = {"skip": "skip", "full": "full", "diag": "causal", "mask": None}
 
 def _by_position(q, k, causal, window):
     """The kind of a tile under the causal mask and the sliding window alone (None: partly visible,
-    not the plain diagonal); attention_band.py decides, as for the unmasked kernels."""
+    not the plain diagonal); core/attention/band.py decides, as for the unmasked kernels."""
     return _BY_POSITION[relation(q.start, q.length, k.start, k.length, causal, window)]
 
 

@@ -15,7 +15,7 @@ Partial inputs are reduced first.
 from typing import Any
 from hyper_parallel.core.dtensor.ops.empty_pieces import without_empty_pieces
 from hyper_parallel.core.dtensor.ops.gather_dims import gather_dims
-from hyper_parallel.core.dtensor.ops.aten_norms import batch_strategy, kept_batch, summed
+from hyper_parallel.core.dtensor.aten.aten_norms import batch_strategy, kept_batch, summed
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_aten, register_rule
 
 

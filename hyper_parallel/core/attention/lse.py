@@ -56,4 +56,15 @@ def sinks_grad(grad_out: Any, out: Any, lse: Any, sinks: Any) -> Any:
     return -(weight * delta).sum(0).sum(-1).to(sinks.dtype)
 
 
-__all__ = ["NEG_INF", "clear_empty_rows", "fold_sinks", "merge", "sinks_grad"]
+def merge_blocks(acc: Any, out: Any, lse: Any) -> Any:
+    """Combine two partial attentions over disjoint keys by their log-sum-exp."""
+    if acc is None:
+        return out.to(lse.dtype), lse
+    acc_out, acc_lse = acc
+    new_lse = acc_lse.logaddexp(lse)
+    merged = (acc_out * (acc_lse - new_lse).exp().unsqueeze(-1)
+              + out.to(lse.dtype) * (lse - new_lse).exp().unsqueeze(-1))
+    return merged, new_lse
+
+
+__all__ = ["NEG_INF", "clear_empty_rows", "fold_sinks", "merge", "merge_blocks", "sinks_grad"]

@@ -9,9 +9,9 @@ recomputes each tile's gradients from the final (out, lse) of its rows.
 """
 from typing import Any
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
-from hyper_parallel.core.context_parallel.masks.block_masks import Span, spans, tile_kind, tile_mask
-from hyper_parallel.core.dtensor.ops.attention import expand_heads, fold_heads
-from hyper_parallel.core.dtensor.ops.attention_lse import fold_sinks, merge, sinks_grad
+from hyper_parallel.core.attention.block_masks import Span, spans, tile_kind, tile_mask
+from hyper_parallel.core.attention.offset_causal import expand_heads, fold_heads
+from hyper_parallel.core.attention.lse import fold_sinks, merge, sinks_grad
 from hyper_parallel.platform import get_platform
 
 NEG_INF = float("-inf")
@@ -161,7 +161,7 @@ def empty_result(q: Any, v: Any) -> Any:
 def _autograd_forward(ctx, q, k, v, sinks, masks, rows, q_span, k_span, causal, scale, softcap, window):
     out, lse = forward(q, k, v, masks, rows, q_span, k_span, causal, scale, softcap, window) or \
         empty_result(q, v)
-    if sinks is not None:   # the sink logits join the denominator once, after every tile (attention_lse.py)
+    if sinks is not None:   # the sink logits join the denominator once, after every tile (lse.py)
         out, lse = fold_sinks(out, lse, sinks)
     out = out.to(q.dtype)
     ctx.save_for_backward(q, k, v, out, lse, *(() if sinks is None else (sinks,)))

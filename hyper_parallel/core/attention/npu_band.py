@@ -22,7 +22,8 @@ rebuilt for the local rows; sequences that need different band parameters run as
 calls whose outputs are concatenated along T.
 """
 from typing import Any
-from hyper_parallel.core.dtensor.ops.npu_attention_args import INT_MAX, as_int_list
+
+from hyper_parallel.core.attention.npu_args import INT_MAX, as_int_list
 from hyper_parallel.platform import get_platform
 
 

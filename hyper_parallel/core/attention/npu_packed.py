@@ -12,7 +12,7 @@ from typing import Any
 import itertools
 
 from hyper_parallel.core.dtensor.layout import local_box
-from hyper_parallel.core.dtensor.ops.npu_attention_args import as_int_list, packed_sequence_ends
+from hyper_parallel.core.attention.npu_args import as_int_list, packed_sequence_ends
 
 
 def packed_split(geo: Any, specs: Any) -> bool:

@@ -3,10 +3,10 @@ for: logit soft-capping, a sliding window, attention sinks (``Variant`` and the 
 
 It runs where the keys are whole on the rank: a single device, Ulysses (heads split), all-gather KV
 (query rows [q_start, q_start + L) of the global sequence, with or without the head-tail split).
-The keys are cut into blocks (attention_band.py: the keys before the queries, then the diagonal;
+The keys are cut into blocks (core/attention/band.py: the keys before the queries, then the diagonal;
 with a window, the keys no query sees are a block of their own) and each block that is not skipped
 runs the platform's block kernel, merged by log-sum-exp; the sinks are folded in last
-(attention_lse.py). Backward recomputes each block's gradients from the saved (out, lse).
+(core/attention/lse.py). Backward recomputes each block's gradients from the saved (out, lse).
 Tensors are (batch, heads, seq, dim); k/v may have fewer heads (GQA), ``sinks`` is one logit per
 query head held here.
 """
@@ -14,10 +14,9 @@ from typing import Any, Optional
 from dataclasses import dataclass
 
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
-from hyper_parallel.core.dtensor.ops.attention import expand_heads, fold_heads
-from hyper_parallel.core.dtensor.ops.attention_band import band_mask, key_cuts, relation
-from hyper_parallel.core.dtensor.ops.attention_lse import (NEG_INF, clear_empty_rows, fold_sinks, merge,
-                                                           sinks_grad)
+from hyper_parallel.core.attention.offset_causal import expand_heads, fold_heads
+from hyper_parallel.core.attention.band import band_mask, key_cuts, relation
+from hyper_parallel.core.attention.lse import NEG_INF, clear_empty_rows, fold_sinks, merge, sinks_grad
 from hyper_parallel.platform import get_platform
 
 SEQ = 2
