@@ -6,8 +6,9 @@ the attention rule applies the global causal offset), or the hybrid of both on a
 The module's forward sees DTensors, so plain matmul/softmax attention code is distributed by the
 same sharding rules as ``F.scaled_dot_product_attention``.
 """
-from typing import Any
+from typing import Any, Literal, Optional, Sequence, Union
 import contextvars
+import os
 
 from hyper_parallel.core.arguments import check_context_parallel
 from hyper_parallel.core.agreement import check_agreement
@@ -15,8 +16,10 @@ from hyper_parallel.core.context_parallel.auto.chooser import AutoMode
 from hyper_parallel.core.context_parallel.checks import style_settings
 from hyper_parallel.core.context_parallel.supported_kernels import call_module
 from hyper_parallel.core.context_parallel.mode import run_attention
-from hyper_parallel.core.context_parallel.overlap.split_call import start_call
+from hyper_parallel.core.context_parallel.overlap.split_call import PendingAttention, start_call
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.tensor_parallel.style import ParallelStyle
+from hyper_parallel.core.typing import Module
 from hyper_parallel.platform import get_platform
 
 KV_EXCHANGES = ("allgather", "ring")
@@ -27,7 +30,7 @@ _STARTER = "_hp_cp_start"
 _APPLY_FIX = "construct ContextParallel with the same arguments on every rank of the mesh"
 
 
-def start_attention(module: Any, *args: Any, **kwargs: Any) -> Any:
+def start_attention(module: Module, *args: Any, **kwargs: Any) -> PendingAttention:
     """Start ``module(*args, **kwargs)`` on a module ContextParallel was applied to, returning a
     pending call whose ``finish()`` gives the output ``module(...)`` would: q/k/v's collective
     travels in between, so the caller can compute meanwhile (e.g. the next head group's
@@ -42,11 +45,14 @@ def start_attention(module: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 class ContextParallel(ParallelStyle):
-    def __init__(self, seq_dim: int = 1, head_dim: int = 2, ulysses_degree: Any = None,
-                 qkv_indices: Any = (0, 1, 2), qkv_kwarg_names: Any = (), use_local_output: bool = False,
-                 load_balance: bool = False, kv_exchange: str = "allgather", overlap: bool = False,
-                 chunks: int = 2, mode: Any = None, memory_budget: Any = None, calibration: Any = None,
-                 causal: Any = None, tune: Any = None) -> None:
+    def __init__(self, seq_dim: int = 1, head_dim: int = 2, ulysses_degree: Optional[int] = None,
+                 qkv_indices: Sequence[int] = (0, 1, 2), qkv_kwarg_names: Sequence[str] = (),
+                 use_local_output: bool = False, load_balance: bool = False,
+                 kv_exchange: Literal["allgather", "ring"] = "allgather", overlap: bool = False,
+                 chunks: int = 2, mode: Optional[Literal["auto"]] = None,
+                 memory_budget: Optional[float] = None,
+                 calibration: Union[str, "os.PathLike[str]", None] = None, causal: Optional[bool] = None,
+                 tune: Optional[bool] = None) -> None:
         check_context_parallel(seq_dim, head_dim, ulysses_degree, chunks, memory_budget, qkv_indices)
         _check_auto(mode, ulysses_degree, load_balance, kv_exchange, memory_budget, calibration, causal, tune)
         if seq_dim == head_dim:
@@ -78,14 +84,14 @@ class ContextParallel(ParallelStyle):
         self.last_choice = None
         self._auto = AutoMode(self) if mode == "auto" else None
 
-    def fixed(self, **mode_kwargs: Any) -> Any:
+    def fixed(self, **mode_kwargs: Any) -> "ContextParallel":
         """This style with a fixed mode (``ulysses_degree`` / ``kv_exchange`` / ``load_balance``)."""
         return ContextParallel(self.seq_dim, self.head_dim, qkv_indices=self.qkv_indices,
                                qkv_kwarg_names=self.qkv_kwarg_names, use_local_output=self.use_local_output,
                                overlap=self.overlap, chunks=self.chunks, **mode_kwargs)
 
     # ------------------------------------------------------------------ apply
-    def apply(self, module: Any, device_mesh: Any) -> Any:
+    def apply(self, module: Module, device_mesh: DeviceMesh) -> Module:
         # before _cp_mesh creates the hybrid's groups: a rank with another ulysses_degree would
         # otherwise create groups its peers never create, and wait there
         check_agreement(device_mesh, "ContextParallel", style_settings(self), fix=_APPLY_FIX,
