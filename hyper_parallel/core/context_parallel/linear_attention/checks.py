@@ -4,7 +4,9 @@ Every check reads only this rank's arguments, whose shapes CP ranks share (a ran
 from another's in length only), so each raises the same ValueError on every rank before the first
 collective. Messages name the offending value and the fix.
 """
-from typing import Any
+import contextlib
+from typing import Any, Iterator
+
 MODES = ("allgather", "p2p")
 
 
@@ -89,9 +91,27 @@ def agree_conv(group: Any, x: Any, weight: Any, bias: Any) -> None:
 
 
 def _site() -> Any:
-    """The parallelized module whose forward makes the call (functional.running), or None for a
+    """The parallelized module whose forward makes the call (running), or None for a
     direct call: a call site's checks remember its previous settings (core/agreement.py), so a
     rank that changes one alone after steady state checks again."""
-    from hyper_parallel.core.context_parallel.linear_attention.functional import active
     cp = active()
     return None if cp is None else cp[2]
+
+
+_ACTIVE: list[Any] = []   # (group, mode, site) of the parallelized forwards running now, innermost last
+
+
+@contextlib.contextmanager
+def running(group: Any, mode: Any, site: Any = None) -> Iterator[None]:
+    """The calls inside run on ``group``'s blocks in state mode ``mode`` (style.py enters it);
+    ``site`` names the parallelized module for the ranks' agreement checks (checks.py)."""
+    _ACTIVE.append((group, mode, site))
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+def active() -> Any:
+    """(group, mode, site) of the innermost parallelized forward running, or None."""
+    return _ACTIVE[-1] if _ACTIVE else None

@@ -5,34 +5,15 @@ Written as single-device code, they run on the whole sequence; inside the forwar
 with the exact incoming state and the convolution's halo, over that module's CP group. The module
 needs no other change: everything else in a GDN / KDA layer is token-local.
 """
-from typing import Any, Iterator
-import contextlib
+from typing import Any
 
 from hyper_parallel.core.arguments import check_delta_rule_numbers
 from hyper_parallel.core.context_parallel.linear_attention.chunk_rule import chunk_delta_rule
 from hyper_parallel.core.context_parallel.linear_attention.conv_halo import context_parallel_causal_conv1d
-from hyper_parallel.core.context_parallel.linear_attention.checks import agree_delta_rule
+from hyper_parallel.core.context_parallel.linear_attention.checks import active, agree_delta_rule
 from hyper_parallel.core.context_parallel.linear_attention.delta_rule import (
     context_parallel_delta_rule, cp_group)
 from hyper_parallel.platform import get_platform
-
-_ACTIVE: list[Any] = []   # (group, mode, site) of the parallelized forwards running now, innermost last
-
-
-@contextlib.contextmanager
-def running(group: Any, mode: Any, site: Any = None) -> Iterator[None]:
-    """The calls inside run on ``group``'s blocks in state mode ``mode`` (style.py enters it);
-    ``site`` names the parallelized module for the ranks' agreement checks (checks.py)."""
-    _ACTIVE.append((group, mode, site))
-    try:
-        yield
-    finally:
-        _ACTIVE.pop()
-
-
-def active() -> Any:
-    """(group, mode, site) of the innermost parallelized forward running, or None."""
-    return _ACTIVE[-1] if _ACTIVE else None
 
 
 def delta_rule(q: Any, k: Any, v: Any, g: Any, beta: Any, initial_state: Any = None, chunk_size: int = 64,

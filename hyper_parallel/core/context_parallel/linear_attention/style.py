@@ -8,7 +8,7 @@ are this rank's share: sum them over the CP ranks (``data_parallel`` over the cp
 CP model.
 """
 from typing import Any
-from hyper_parallel.core.context_parallel.linear_attention.functional import running
+from hyper_parallel.core.context_parallel.linear_attention.checks import running
 from hyper_parallel.core.context_parallel.linear_attention.checks import MODES
 from hyper_parallel.core.bounded_cache import lifetime_key
 from hyper_parallel.core.tensor_parallel.style import ParallelStyle
