@@ -10,6 +10,7 @@ The router's load-balancing loss is recomputed over the global tokens of the dat
 (``load_balancing_loss``): the model's forward runs with ``output_router_logits=False`` and the
 router logits are captured by forward hooks, so no rank-local auxiliary loss is computed.
 """
+import functools
 import math
 from typing import Any, List, Sequence, Tuple
 
@@ -201,6 +202,9 @@ def _global_aux_loss(model: Any, group: Any, share: int) -> None:
     num, top_k = _config_int(config, _NUM_EXPERTS), _config_int(config, _TOP_K)
 
     def wrap(original):
+        # the model's own signature stays visible (wraps): context parallelism's entry hook reads it to
+        # pass use_cache=False and the global position_ids
+        @functools.wraps(original)
         def forward(*args, **kwargs):
             want = kwargs.pop("output_router_logits", None)
             if not (config.output_router_logits if want is None else want):
