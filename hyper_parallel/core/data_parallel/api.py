@@ -27,7 +27,9 @@ from hyper_parallel.core.bounded_cache import lifetime_key
 from hyper_parallel.core.data_parallel.checks import Switchable, check_disjoint_meshes, check_one_dim
 from hyper_parallel.core.data_parallel.reducer import (DEFAULT_BUCKET_MB, Collective, FlatReduction,
                                                        GradientReducer, plan_buckets)
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.typing import Module
 from hyper_parallel.platform import get_platform
 
 
@@ -41,7 +43,7 @@ def _views(platform: Any, module: Any):
 class TupleGradReducer(Switchable):
     """``reducer(grads) -> grads``: the all-reduced gradient tuple (see the module docstring)."""
 
-    def __init__(self, module: Any, device_mesh: Any, average: bool, bucket_mb: float) -> None:
+    def __init__(self, module: Module, device_mesh: DeviceMesh, average: bool, bucket_mb: float) -> None:
         check_one_dim(device_mesh)
         self.platform = get_platform()
         for name, param in _views(self.platform, self.platform.train_step_network(module)):
@@ -85,8 +87,8 @@ class TupleGradReducer(Switchable):
                             self.cap_bytes)
 
 
-def data_parallel(module: Any, device_mesh: Any, *, average: bool = True,
-                  bucket_mb: float = DEFAULT_BUCKET_MB) -> Any:
+def data_parallel(module: Module, device_mesh: DeviceMesh, *, average: bool = True,
+                  bucket_mb: float = DEFAULT_BUCKET_MB) -> Module:
     """All-reduce every parameter gradient of ``module`` over the 1-D ``device_mesh`` after each
     backward; ``average=False`` sums (for losses already normalised by the global token count).
     Adds ``module.no_sync()``. Returns the module.

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from hyper_parallel.core.agreement import check_agreement
 from hyper_parallel.core.bounded_cache import lifetime_key
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.expert_parallel.dispatch import GradScale, dispatch_combine
@@ -28,6 +29,7 @@ from hyper_parallel.core.expert_parallel.module_list import (block_top_k, check_
                                                              shared_output)
 from hyper_parallel.core.expert_parallel.settings import routing_settings
 from hyper_parallel.core.tensor_parallel.base import ParallelStyle, shard_parameters
+from hyper_parallel.core.typing import Module, Tensor
 from hyper_parallel.platform import get_platform
 
 _SETTINGS = ("num_experts", "top_k", "hidden", "dtype", "average", "ep")
@@ -45,8 +47,8 @@ def _router_top_k(module: Any) -> int:
 class ExpertState:
     """What the wrapped forward needs: the mesh, the expert count and the gradient convention."""
 
-    def __init__(self, module: Any, mesh: Any, num_experts: int, average: bool,
-                 owner: Optional[Any] = None) -> None:
+    def __init__(self, module: Module, mesh: DeviceMesh, num_experts: int, average: bool,
+                 owner: Optional[Module] = None) -> None:
         self.module, self.mesh, self.num_experts, self.average = module, mesh, num_experts, average
         self.owner = owner           # the MoE block (router settings), when apply was given one
         self.ep = mesh.size()
@@ -54,7 +56,7 @@ class ExpertState:
         self.names = expert_parameter_names(module)     # empty for a per-expert list
         self.local_modules: Tuple[Any, ...] = ()    # a per-expert list's local experts
 
-    def check(self, hidden: Any, top_k_index: Any) -> None:
+    def check(self, hidden: Tensor, top_k_index: Tensor) -> None:
         """Shape checks on every rank, then (first call of a signature) the ranks' agreement on the
         routing settings: one small all-reduce, so disagreeing ranks all raise instead of
         exchanging mismatched splits."""
@@ -73,7 +75,7 @@ class ExpertState:
                         fix="route with the same experts, top-k, routing flags, hidden size and dtype "
                             "on every ep rank")
 
-    def local_parameters(self) -> Dict[str, Any]:
+    def local_parameters(self) -> Dict[str, Tensor]:
         platform = get_platform()
         local = {}
         for name, param in platform.named_parameters(self.module):
@@ -133,7 +135,7 @@ class ExpertParallel(ParallelStyle):
                              f"(top_k_index, top_k_weights), or None")
         self.average, self.route = average, route
 
-    def apply(self, module: Any, device_mesh: Any) -> Any:
+    def apply(self, module: Module, device_mesh: DeviceMesh) -> Module:
         if device_mesh is None or getattr(device_mesh, "ndim", None) != 1:
             raise ValueError(f"ExpertParallel: pass a 1-D ep mesh (mesh['ep'], or mesh['dp_shard', 'cp']."
                              f"flatten() for several dims), got {device_mesh!r}")

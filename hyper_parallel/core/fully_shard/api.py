@@ -6,19 +6,21 @@ inner fully_shard call took, shards them on dim 0 over ``mesh`` and installs the
 rank has (arguments and the module), so every rank raises the same ValueError before any
 collective.
 """
-from typing import Any
+from typing import Optional
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.fully_shard.mesh_info import FSDPMeshInfo
-from hyper_parallel.core.fully_shard.mixed_precision import check_policy
+from hyper_parallel.core.fully_shard.mixed_precision import MixedPrecisionPolicy, check_policy
 from hyper_parallel.core.fully_shard.param import FSDPParam
 from hyper_parallel.core.fully_shard.param_group import FSDPParamGroup
 from hyper_parallel.core.fully_shard.state import FSDPState
 from hyper_parallel.core.fully_shard import wrap_state
 from hyper_parallel.core.fully_shard.tuple_grads import TupleUnit
+from hyper_parallel.core.typing import Module
 from hyper_parallel.platform import get_platform
 
 
-def fully_shard(module: Any, mesh: Any, *, reshard_after_forward: bool = True, mp_policy: Any = None,
-                average: bool = True) -> Any:
+def fully_shard(module: Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
+                mp_policy: Optional[MixedPrecisionPolicy] = None, average: bool = True) -> Module:
     """Shard ``module``'s parameters (those no inner fully_shard took) on dim 0 over ``mesh``: a 1-D
     mesh (ZeRO-3; a flattened dp×cp mesh too) or a 2-D ("dp_replicate", "dp_shard") mesh (HSDP).
     Parameters are gathered before the module's forward and freed after it (kept with
