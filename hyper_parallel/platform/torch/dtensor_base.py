@@ -99,7 +99,7 @@ def _operator(dunder, func):
     return method
 
 
-_DATA_SET = torch.Tensor.data.__set__
+_DATA_SET = torch.Tensor.data.__set__  # type: ignore[attr-defined]  # the property's setter
 
 
 def _set_data(dtensor, value):

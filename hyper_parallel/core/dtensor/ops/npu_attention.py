@@ -28,11 +28,9 @@ cover T.
 from typing import Any
 from hyper_parallel.core.dtensor.layout import numel
 from hyper_parallel.core.attention.npu_args import (NpuAttentionArgs, NpuAttentionGeometry,
-                                                                packed_sequence_ends)
-from hyper_parallel.core.attention.npu_band import (call_dense_rows, call_tnd_rows, local_band,
-                                                                narrow)
-from hyper_parallel.core.attention.npu_packed import (check_packed_split, local_packed_lengths,
-                                                                  packed_split)
+                                                    packed_sequence_ends)
+from hyper_parallel.core.attention.npu_band import call_dense_rows, call_tnd_rows, local_band, narrow
+from hyper_parallel.core.attention.npu_packed import check_packed_split, local_packed_lengths, packed_split
 from hyper_parallel.core.dtensor.ops.registry import OpStrategy, register_rule
 from hyper_parallel.core.dtensor.ops.strategy_search import pick
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
