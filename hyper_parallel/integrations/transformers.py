@@ -9,8 +9,10 @@ from an attention function registered with transformers' ``AttentionInterface``
 (hf_context_parallel.py). Gradients still need ``data_parallel`` over the data and context
 parallel ranks (``mesh["dp", "cp"].flatten()``): see docs/training.md.
 """
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Dict, Literal, Optional, Tuple, Union
 
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.core.typing import Module
 from hyper_parallel.integrations.hf_chunked_loss import apply_chunked_loss, check_loss_option, probe_logits
 from hyper_parallel.integrations.hf_context_parallel import apply_context_parallel, prepare_context_parallel
 from hyper_parallel.integrations.hf_compile import compile_decoder_layers
@@ -38,11 +40,12 @@ def _sub_mesh(mesh, name, role):
     return sub
 
 
-def parallelize_model(model: Any, device_mesh: Any, *, tp: Optional[str] = "tp", cp: Optional[str] = "cp",
-                      dp_shard: Optional[str] = "dp_shard", average: bool = True, loss: Optional[str] = None,
-                      cp_mode: Optional[str] = None, ep: Union[None, str, Tuple[str, ...]] = None,
-                      verify: bool = False, compile: Union[bool, dict] = False,
-                      **context_parallel_kwargs: Any) -> Any:
+def parallelize_model(model: Module, device_mesh: DeviceMesh, *, tp: Optional[str] = "tp",
+                      cp: Optional[str] = "cp", dp_shard: Optional[str] = "dp_shard", average: bool = True,
+                      loss: Optional[Literal["chunked"]] = None, cp_mode: Optional[Literal["auto"]] = None,
+                      ep: Union[None, str, Tuple[str, ...]] = None, verify: bool = False,
+                      compile: Union[bool, Dict[str, Any]] = False,
+                      **context_parallel_kwargs: Any) -> Module:   # model: a transformers model
     """Tensor parallelism on mesh dim ``tp`` (the model's ``base_model_tp_plan``) and context-parallel
     attention on mesh dim ``cp`` (``context_parallel_kwargs`` go to ``ContextParallel``, e.g.
     ``ulysses_degree=1``, ``load_balance=True``, ``kv_exchange="ring"``; ``linear_attention="allgather"``

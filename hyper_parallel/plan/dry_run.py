@@ -9,18 +9,23 @@ one unpadded document per sequence, and MoE routing is balanced (expert_parallel
 assignment i to expert i mod E on every rank).
 """
 import math
-from typing import Any, Callable, Dict, Optional, Sequence
+import types
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 from hyper_parallel.core.arguments import check_int
 from hyper_parallel.core.comm_mode import CommDebugMode
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.plan.options import FEATURES, cp_kwargs, check_features
 from hyper_parallel.plan.report import DryRunReport
 from hyper_parallel.platform import get_platform, reset_platform
 
+if TYPE_CHECKING:   # torch's side, imported only when a dry run starts (torch_tools)
+    from hyper_parallel.platform.torch.dry_run import TrainStep
+
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
 
-def torch_tools():
+def torch_tools() -> types.ModuleType:
     """The torch side (platform/torch/dry_run.py); a clear error on any other platform."""
     name = get_platform().name
     if name not in ("torch", "npu"):
@@ -135,7 +140,8 @@ def _dim_labels(mesh, names):
     return labels
 
 
-def comm_by_dim(log, mesh, names) -> Dict[str, dict]:
+def comm_by_dim(log: Iterable[Tuple[str, int, Sequence[int]]], mesh: DeviceMesh,
+                names: Sequence[str]) -> Dict[str, dict]:
     labels = _dim_labels(mesh, names)
     out: dict[Any, Any] = {}
     cp = "cp" in names and mesh["cp"].size() > 1
@@ -157,7 +163,8 @@ def comm_by_dim(log, mesh, names) -> Dict[str, dict]:
 
 def dry_run(model_fn: Callable, mesh_shape: Sequence[int], mesh_dim_names: Sequence[str], *, rank: int = 0,
             seq_len: int, batch: int = 1, cp_mode: Optional[str] = None, features: Sequence[str] = (),
-            tiled_mlp_chunks: int = 4, model_name: Optional[str] = None, **parallel_options) -> DryRunReport:
+            tiled_mlp_chunks: int = 4, model_name: Optional[str] = None,
+            **parallel_options: Any) -> DryRunReport:
     """One training step of rank ``rank`` of a ``prod(mesh_shape)``-rank job on fake tensors.
     ``model_fn()`` builds the model (called on the meta device). ``seq_len``: tokens per sequence
     (split over ``cp``); ``batch``: sequences per data-parallel rank. ``cp_mode``: ulysses,
@@ -196,7 +203,8 @@ def _run(tools, fake_world, model_fn, sizes, seq_len, batch, cp_mode, features, 
 
 def real_run(model_fn: Callable, mesh_shape: Sequence[int], mesh_dim_names: Sequence[str], *, seq_len: int,
              batch: int = 1, cp_mode: Optional[str] = None, features: Sequence[str] = (),
-             tiled_mlp_chunks: int = 4, model_name: Optional[str] = None, **parallel_options) -> DryRunReport:
+             tiled_mlp_chunks: int = 4, model_name: Optional[str] = None,
+             **parallel_options: Any) -> DryRunReport:
     """The same step for real, in a job already started (each rank calls it): the yardstick the
     tests hold the dry run to. The model is built on meta and each rank's pieces allocated (zeros)."""
     tools = torch_tools()
@@ -226,7 +234,9 @@ def _step_report(tools, model, mesh, sizes, seq_len, batch, cp_mode, features, c
                        cp_mode if cp_mesh is not None else None, features, rank)
 
 
-def measure(step, shard_sequence, mesh, sizes, name, seq_len, batch, cp_mode, features, rank, warmups=2):
+def measure(step: "TrainStep", shard_sequence: Callable[..., Any], mesh: DeviceMesh,
+            sizes: Dict[str, int], name: str, seq_len: int, batch: int, cp_mode: Optional[str],
+            features: Sequence[str], rank: int, warmups: int = 2) -> DryRunReport:
     """The steady-state step (memory, FLOPs, collectives), fake or real alike, after ``warmups``
     steps, which do what happens once (cross-rank agreement checks, the optimizer's state). Two: the
     agreement schedule learns the order of fully_shard's unit calls across steps (the transition from

@@ -18,7 +18,9 @@ Assumptions (printed with every prediction):
   recompute (one extra forward).
 """
 import math
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
+
+from hyper_parallel.plan.report import DryRunReport
 
 _MIB = 2 ** 20
 # "Does not fit": the dry run's peak (bytes of live tensors) above USABLE_FRACTION of the device's
@@ -68,7 +70,7 @@ def _group_spans_nodes(mesh: Dict[str, int], dims, gpus_per_node: int) -> bool:
     return top >= gpus_per_node
 
 
-def comm_seconds(report: Any, dev: dict, gpus_per_node: int) -> Dict[str, float]:
+def comm_seconds(report: DryRunReport, dev: dict, gpus_per_node: int) -> Dict[str, float]:
     """Seconds per mesh dim label of the report's collectives."""
     out = {}
     for label, entry in report.comm.items():
@@ -79,14 +81,14 @@ def comm_seconds(report: Any, dev: dict, gpus_per_node: int) -> Dict[str, float]
     return out
 
 
-def compute_seconds(report: Any, dev: dict) -> float:
+def compute_seconds(report: DryRunReport, dev: dict) -> float:
     flops, hbm = dev["flops"] * GEMM_EFFICIENCY, dev["hbm"] * HBM_EFFICIENCY
     ops = sum(n * max(f / flops, b / hbm) for (f, b), n in report.ops.items())
     # eager dispatch on the host: measured per op on cpu; a GPU's launches run ahead of its kernels
     return ops + report.memory_bound_bytes / hbm + report.op_count * dev.get("op_seconds", 0.0)
 
 
-def _exposed(report: Any, seconds: Dict[str, float], compute: float) -> float:
+def _exposed(report: DryRunReport, seconds: Dict[str, float], compute: float) -> float:
     """Communication left on the critical path, per mesh dim label, split by op: fully_shard's
     all-gathers / reduce-scatters hide behind compute but one unit's; P2P ring hops behind half the
     compute but one hop; expert all-to-alls, Ulysses, all-gather K/V, TP and checks are exposed."""
@@ -107,8 +109,8 @@ def _exposed(report: Any, seconds: Dict[str, float], compute: float) -> float:
     return exposed
 
 
-def predict(report: Any, device_name: str, gpus_per_node: int = 8, calibration: Optional[dict] = None,
-            memory_bytes: Optional[float] = None) -> dict:
+def predict(report: DryRunReport, device_name: str, gpus_per_node: int = 8,
+            calibration: Optional[dict] = None, memory_bytes: Optional[float] = None) -> dict:
     """Step seconds, tokens/s/device, MFU and whether the peak fits, with the assumptions."""
     dev = device(device_name, calibration)
     compute = compute_seconds(report, dev)
