@@ -4,11 +4,13 @@ Each rank allocates only its own piece, except the random ones: they draw the wh
 the framework's generator and keep this rank's piece, so the result equals the single-device
 draw under the same seed (as the random ops on DTensors do).
 """
-from typing import Any
+from typing import Optional, Sequence, Union
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor, as_layout
 from hyper_parallel.core.dtensor.mesh_registry import resolve_mesh
-from hyper_parallel.core.dtensor.placement_types import Replicate, normalize_placements
+from hyper_parallel.core.dtensor.placement_types import Placement, Replicate, normalize_placements
 from hyper_parallel.core.dtensor.spec import DTensorSpec
+from hyper_parallel.core.typing import DType
 from hyper_parallel.platform import get_platform
 
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "resolve_mesh"]
@@ -44,37 +46,43 @@ def _create(kind, size, device_mesh, placements, dtype, requires_grad, fill_valu
     return out.requires_grad_(True) if requires_grad else out
 
 
-def zeros(*size: Any, device_mesh: Any = None, placements: Any = None, dtype: Any = None,
-          requires_grad: bool = False) -> Any:
+def zeros(*size: Union[int, Sequence[int]], device_mesh: Optional[DeviceMesh] = None,
+          placements: Optional[Sequence[Placement]] = None, dtype: Optional[DType] = None,
+          requires_grad: bool = False) -> DTensor:
     """A DTensor of zeros of global ``size`` laid out as ``placements`` (default: replicated)."""
     return _create("zeros", size, device_mesh, placements, dtype, requires_grad)
 
 
-def ones(*size: Any, device_mesh: Any = None, placements: Any = None, dtype: Any = None,
-         requires_grad: bool = False) -> Any:
+def ones(*size: Union[int, Sequence[int]], device_mesh: Optional[DeviceMesh] = None,
+         placements: Optional[Sequence[Placement]] = None, dtype: Optional[DType] = None,
+         requires_grad: bool = False) -> DTensor:
     """A DTensor of ones of global ``size``."""
     return _create("ones", size, device_mesh, placements, dtype, requires_grad)
 
 
-def empty(*size: Any, device_mesh: Any = None, placements: Any = None, dtype: Any = None,
-          requires_grad: bool = False) -> Any:
+def empty(*size: Union[int, Sequence[int]], device_mesh: Optional[DeviceMesh] = None,
+          placements: Optional[Sequence[Placement]] = None, dtype: Optional[DType] = None,
+          requires_grad: bool = False) -> DTensor:
     """An uninitialised DTensor of global ``size``."""
     return _create("empty", size, device_mesh, placements, dtype, requires_grad)
 
 
-def full(size: Any, fill_value: Any, *, device_mesh: Any = None, placements: Any = None, dtype: Any = None,
-         requires_grad: bool = False) -> Any:
+def full(size: Sequence[int], fill_value: float, *, device_mesh: Optional[DeviceMesh] = None,
+         placements: Optional[Sequence[Placement]] = None, dtype: Optional[DType] = None,
+         requires_grad: bool = False) -> DTensor:
     """A DTensor of global ``size`` filled with ``fill_value``."""
     return _create("full", (size,), device_mesh, placements, dtype, requires_grad, fill_value)
 
 
-def rand(*size: Any, device_mesh: Any = None, placements: Any = None, dtype: Any = None,
-         requires_grad: bool = False) -> Any:
+def rand(*size: Union[int, Sequence[int]], device_mesh: Optional[DeviceMesh] = None,
+         placements: Optional[Sequence[Placement]] = None, dtype: Optional[DType] = None,
+         requires_grad: bool = False) -> DTensor:
     """Uniform [0, 1) values, equal to the single-device ``rand(size)`` under the same seed."""
     return _create("rand", size, device_mesh, placements, dtype, requires_grad)
 
 
-def randn(*size: Any, device_mesh: Any = None, placements: Any = None, dtype: Any = None,
-          requires_grad: bool = False) -> Any:
+def randn(*size: Union[int, Sequence[int]], device_mesh: Optional[DeviceMesh] = None,
+          placements: Optional[Sequence[Placement]] = None, dtype: Optional[DType] = None,
+          requires_grad: bool = False) -> DTensor:
     """Standard normal values, equal to the single-device ``randn(size)`` under the same seed."""
     return _create("randn", size, device_mesh, placements, dtype, requires_grad)

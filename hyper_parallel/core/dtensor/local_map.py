@@ -9,12 +9,13 @@ with ``out_placements``. Differentiable both ways (to_local / from_local).
 so (a plain tensor beside DTensors is replicated; a 0-dim one is a scalar), so the context manager
 only exists for PyTorch code that wraps such mixing in it.
 """
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import contextlib
 import functools
 
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.dtensor.placement_types import normalize_placements
+from hyper_parallel.core.dtensor.placement_types import Placement, normalize_placements
 from hyper_parallel.core.dtensor.dispatch.tree import tree_flatten, tree_unflatten
 from hyper_parallel.platform import get_platform
 
@@ -26,9 +27,12 @@ def implicit_replication() -> Iterator[None]:
     yield
 
 
-def local_map(func: Any = None, out_placements: Any = None, in_placements: Any = None,
-              in_grad_placements: Any = None, device_mesh: Any = None, *,
-              redistribute_inputs: bool = False) -> Any:
+def local_map(func: Optional[Callable[..., Any]] = None,
+              out_placements: Optional[Sequence[Union[Placement, Sequence[Placement], None]]] = None,
+              in_placements: Optional[Sequence[Optional[Sequence[Placement]]]] = None,
+              in_grad_placements: Optional[Sequence[Optional[Sequence[Placement]]]] = None,
+              device_mesh: Optional[DeviceMesh] = None, *,
+              redistribute_inputs: bool = False) -> Callable[..., Any]:
     """``func`` applied to local shards, with PyTorch's signature (used directly or as a decorator).
 
     ``in_placements``: per positional argument, the placements a DTensor argument must have (None:

@@ -1,7 +1,8 @@
 """MixedPrecisionPolicy: the dtypes of gathered parameters, of gradient reduction and of outputs."""
-from typing import Any
+from typing import Optional, Tuple
 from dataclasses import dataclass
 
+from hyper_parallel.core.typing import DType
 from hyper_parallel.platform import get_platform
 
 
@@ -32,14 +33,14 @@ def _is_floating(platform, dtype):
         return False
 
 
-def check_policy(mp_policy: Any) -> Any:
+def check_policy(mp_policy: Optional["MixedPrecisionPolicy"]) -> "MixedPrecisionPolicy":
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise ValueError(f"fully_shard(mp_policy={mp_policy!r}): pass a hyper_parallel.MixedPrecisionPolicy "
                          f"or None")
     return mp_policy or MixedPrecisionPolicy()
 
 
-def compute_dtypes(policy: Any, orig_dtype: Any) -> Any:
+def compute_dtypes(policy: "MixedPrecisionPolicy", orig_dtype: DType) -> Tuple[DType, DType]:
     """(gathered parameter dtype, gradient reduction dtype) of a parameter of ``orig_dtype``."""
     param_dtype = policy.param_dtype or orig_dtype
     return param_dtype, policy.reduce_dtype or param_dtype

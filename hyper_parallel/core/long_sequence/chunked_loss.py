@@ -19,6 +19,7 @@ import math
 
 from hyper_parallel.core.autograd_functions import lazy_autograd_function
 from hyper_parallel.core.long_sequence.loss_checks import check_arguments, check_labels, vocab_shard
+from hyper_parallel.core.typing import Tensor
 from hyper_parallel.platform import get_platform
 
 __all__ = ["chunked_cross_entropy"]
@@ -38,7 +39,7 @@ class _Plan:
 _OPTIONS = ("chunk_size", "ignore_index", "reduction", "class_weight")
 
 
-def chunked_cross_entropy(hidden: Any, *args: Any, **kwargs: Any) -> Any:
+def chunked_cross_entropy(hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
     """``F.cross_entropy(hidden @ weight.T, labels, weight=class_weight, ignore_index=, reduction=)``
     without the logits: ``chunked_cross_entropy(hidden, weight, labels, *, chunk_size=1024,
     ignore_index=-100, reduction="sum", class_weight=None)``.

@@ -13,7 +13,7 @@ parallel: ``RowwiseParallel(output_layouts=Shard(1))``) gives per tile a piece o
 of the sequence; the pieces are put back into the sequence's layout through the DTensor (one
 redistribution of the output), never concatenated as they come.
 """
-from typing import Any
+from hyper_parallel.core.typing import Module
 import inspect
 
 from hyper_parallel.core.arguments import check_int
@@ -125,7 +125,7 @@ def _take_input(args, kwargs, name, module):
                      f"positionally or by that name")
 
 
-def tiled_mlp(module: Any, chunks: int, *, seq_dim: int = 1) -> Any:
+def tiled_mlp(module: Module, chunks: int, *, seq_dim: int = 1) -> Module:
     """Make ``module`` (a block's MLP or MoE block: token-local, its first argument (..., seq, ...,
     hidden)) run on ``chunks`` tiles of dim ``seq_dim`` with recompute. Exact: the same values and
     gradients. Returns ``module``. Other arguments pass to every tile unchanged; the input may be
