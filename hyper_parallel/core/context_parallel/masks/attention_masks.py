@@ -24,12 +24,13 @@ passes the same tensors (O(B·S) integers, no S×S). Pass them on the CPU: the p
 A query row with no visible key gives 0 and zero gradients, as torch's scaled_dot_product_attention
 gives for a fully masked row on one device.
 """
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional, Sequence, Tuple, Union
 import contextlib
 import contextvars
 from dataclasses import dataclass
 
 from hyper_parallel.core.arguments import check_int
+from hyper_parallel.core.typing import Tensor
 from hyper_parallel.platform import get_platform
 
 DEFAULT_BLOCK = 256
@@ -43,7 +44,7 @@ class AttentionMasks:
     block_size: int = DEFAULT_BLOCK
 
     @property
-    def batch_and_length(self) -> Any:
+    def batch_and_length(self) -> Tuple[int, ...]:
         t = self.document_ids if self.document_ids is not None else self.padding
         return tuple(t.shape)
 
@@ -80,8 +81,10 @@ def _ids_from_cu_seqlens(cu_seqlens, padding, document_ids):
 
 
 @contextlib.contextmanager
-def attention_masks(document_ids: Any = None, cu_seqlens: Any = None, padding_mask: Any = None,
-                    batch: Any = None, block_size: Any = DEFAULT_BLOCK) -> Iterator[Any]:
+def attention_masks(document_ids: Optional[Tensor] = None,
+                    cu_seqlens: Union[Tensor, Sequence[int], None] = None,
+                    padding_mask: Optional[Tensor] = None, batch: Optional[int] = None,
+                    block_size: int = DEFAULT_BLOCK) -> Iterator[Optional["AttentionMasks"]]:
     """Apply packed-document and/or padding masks to every ContextParallel attention call inside.
 
     ``batch`` is needed only with ``cu_seqlens`` and no ``padding_mask`` (to fold the B·S tokens
@@ -113,12 +116,12 @@ def attention_masks(document_ids: Any = None, cu_seqlens: Any = None, padding_ma
         _active.reset(token)
 
 
-def active_masks() -> Any:
+def active_masks() -> Optional["AttentionMasks"]:
     """The masks of the innermost ``attention_masks`` context, or None."""
     return _active.get()
 
 
-def check_masks(masks: Any, batch: Any, seq_len: Any, kv_len: Any) -> None:
+def check_masks(masks: "AttentionMasks", batch: int, seq_len: int, kv_len: int) -> None:
     """ValueError (on every rank alike: the masks are the same everywhere) unless the masks cover
     the global (batch, seq) of this call."""
     if kv_len != seq_len:
