@@ -61,22 +61,6 @@ def check_optional_float(who: str, name: str, value: Any, **limits: Any) -> Any:
 
 
 # ------------------------------------------------------------------ entry points with several numbers
-def check_context_parallel(seq_dim: Any, head_dim: Any, ulysses_degree: Any, chunks: Any, memory_budget: Any,
-                           qkv_indices: Any = ()) -> None:
-    """ContextParallel / AsyncContextParallel's numeric arguments."""
-    who = "ContextParallel"
-    for i, index in enumerate(qkv_indices):
-        check_int(who, f"qkv_indices[{i}]", index, fix="the positions of q, k, v in the module's arguments")
-    check_int(who, "seq_dim", seq_dim, fix="the sequence dim of q, k, v (1 for BSHD, 2 for BNSD)")
-    check_int(who, "head_dim", head_dim, fix="the heads dim of q, k, v (2 for BSHD, 1 for BNSD)")
-    check_optional_int(who, "ulysses_degree", ulysses_degree, minimum=1,
-                       fix="a positive int dividing the CP size, or None")
-    check_int(who, "chunks", chunks, minimum=1,
-              fix="the head groups overlap=True pipelines (1 turns the pipelining off)")
-    check_optional_float(who, "memory_budget", memory_budget, positive=True,
-                         fix="a positive number of bytes per rank, or None")
-
-
 def check_delta_rule_numbers(chunk_size: Any, scale: Any) -> None:
     """The linear-attention delta rule's chunk size and scale (plain and under context parallelism)."""
     check_int("delta_rule", "chunk_size", chunk_size, minimum=1, fix="tokens per chunk of the rule (64)")

@@ -7,12 +7,14 @@ The module's forward sees DTensors, so plain matmul/softmax attention code is di
 same sharding rules as ``F.scaled_dot_product_attention``.
 """
 from typing import Any, Literal, Optional, Sequence, Union
+from dataclasses import replace
 import contextvars
 import os
 
-from hyper_parallel.core.arguments import check_context_parallel
 from hyper_parallel.core.agreement import check_agreement
-from hyper_parallel.core.context_parallel.auto.chooser import AutoMode
+from hyper_parallel.core.context_parallel.auto.chooser import AutoMode, Choice
+from hyper_parallel.core.context_parallel.config import (CPAuto, CPExchange, CPLayout, CPOverlap,
+                                                         ContextParallelConfig, check_auto_exchange)
 from hyper_parallel.core.context_parallel.checks import style_settings
 from hyper_parallel.core.context_parallel.supported_kernels import call_module
 from hyper_parallel.core.context_parallel.mode import run_attention
@@ -22,7 +24,6 @@ from hyper_parallel.core.tensor_parallel.style import ParallelStyle
 from hyper_parallel.core.typing import Module
 from hyper_parallel.platform import get_platform
 
-KV_EXCHANGES = ("allgather", "ring")
 _active: Any = contextvars.ContextVar("hp_context_parallel_active", default=frozenset())
 # a module's split-phase call (start_attention) lives on the module: a global table would keep it, and
 # through its closure the module and its weights, alive after the model is gone
@@ -44,7 +45,17 @@ def start_attention(module: Module, *args: Any, **kwargs: Any) -> PendingAttenti
     return starter(*args, **kwargs)
 
 
+def _setting(group: str, name: str) -> Any:
+    """A read-only attribute of the style reading ``style.config.<group>.<name>``: readers keep the
+    flat names the constructor takes (``style.seq_dim``, ``style.ulysses_degree``, ...)."""
+    return property(lambda self: getattr(getattr(self.config, group), name),
+                    doc=f"``config.{group}.{name}`` (read-only: build another style to change it)")
+
+
 class ContextParallel(ParallelStyle):
+    """Context parallelism for a core-attention module. The flat keywords are kept in ``self.config``
+    (a ``ContextParallelConfig``: layout / exchange / overlap / auto); ``style.seq_dim`` etc. read it."""
+
     def __init__(self, seq_dim: int = 1, head_dim: int = 2, ulysses_degree: Optional[int] = None,
                  qkv_indices: Sequence[int] = (0, 1, 2), qkv_kwarg_names: Sequence[str] = (),
                  use_local_output: bool = False, load_balance: bool = False,
@@ -53,42 +64,49 @@ class ContextParallel(ParallelStyle):
                  memory_budget: Optional[float] = None,
                  calibration: Union[str, "os.PathLike[str]", None] = None, causal: Optional[bool] = None,
                  tune: Optional[bool] = None) -> None:
-        check_context_parallel(seq_dim, head_dim, ulysses_degree, chunks, memory_budget, qkv_indices)
-        _check_auto(mode, ulysses_degree, load_balance, kv_exchange, memory_budget, calibration, causal, tune)
-        if seq_dim == head_dim:
-            raise ValueError(f"seq_dim and head_dim must differ (got {seq_dim}); use 1/2 for BSHD, "
-                             "2/1 for BNSD")
-        if ulysses_degree is not None and (not isinstance(ulysses_degree, int) or ulysses_degree < 1):
-            raise ValueError(f"ulysses_degree must be a positive int or None, got {ulysses_degree!r}")
-        if load_balance and ulysses_degree != 1:
-            raise ValueError(f"load_balance=True needs ulysses_degree=1 (all-gather KV), got "
-                             f"ulysses_degree={ulysses_degree!r}; set ulysses_degree=1 or load_balance=False")
-        if kv_exchange not in KV_EXCHANGES:
-            raise ValueError(f"kv_exchange={kv_exchange!r} is not one of {KV_EXCHANGES}")
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-            raise ValueError(f"chunks={chunks!r} must be a positive int (the head groups overlap=True "
-                             f"pipelines; 1 turns the pipelining off)")
-        if len(qkv_indices) != 3 and len(qkv_kwarg_names) < 3:
-            raise ValueError(f"qkv_indices {qkv_indices} must name three positions (q, k, v)")
-        self.seq_dim, self.head_dim = seq_dim, head_dim
-        self.ulysses_degree = ulysses_degree
-        self.qkv_indices, self.qkv_kwarg_names = tuple(qkv_indices), tuple(qkv_kwarg_names)
-        self.use_local_output = use_local_output
-        self.load_balance = load_balance
-        self.kv_exchange = kv_exchange
-        self.overlap, self.chunks = bool(overlap), chunks
-        # mode="auto": the mode is chosen per shape signature (auto/); causal is the cost model's hint
-        self.mode, self.memory_budget, self.calibration = mode, memory_budget, calibration
-        self.causal = True if causal is None else bool(causal)
-        self.tune = True if tune is None else bool(tune)   # time close calls on the call's shapes
-        self.last_choice = None
-        self._auto = AutoMode(self) if mode == "auto" else None
+        # each group checks its own fields as it is built, the config the checks across groups; auto
+        # first, so mode='auto' with a fixed exchange reports that conflict (as before the groups)
+        auto = CPAuto(mode, memory_budget, calibration, causal, tune)
+        check_auto_exchange(auto, ulysses_degree, load_balance, kv_exchange)
+        config = ContextParallelConfig(
+            layout=CPLayout(seq_dim, head_dim, tuple(qkv_indices), tuple(qkv_kwarg_names), use_local_output),
+            exchange=CPExchange(ulysses_degree, load_balance, kv_exchange),
+            overlap=CPOverlap(overlap, chunks), auto=auto)
+        self._configure(config)
+
+    @classmethod
+    def from_config(cls, config: ContextParallelConfig) -> "ContextParallel":
+        """The style of a (checked) ``ContextParallelConfig``."""
+        style = cls.__new__(cls)
+        style._configure(config)
+        return style
+
+    def _configure(self, config: ContextParallelConfig) -> None:
+        self.config = config
+        self.last_choice: Optional[Choice] = None
+        # mode="auto": the mode is chosen per shape signature (auto/)
+        self._auto = AutoMode(self) if config.auto.mode == "auto" else None
+
+    seq_dim = _setting("layout", "seq_dim")
+    head_dim = _setting("layout", "head_dim")
+    qkv_indices = _setting("layout", "qkv_indices")
+    qkv_kwarg_names = _setting("layout", "qkv_kwarg_names")
+    use_local_output = _setting("layout", "use_local_output")
+    ulysses_degree = _setting("exchange", "ulysses_degree")
+    load_balance = _setting("exchange", "load_balance")
+    kv_exchange = _setting("exchange", "kv_exchange")
+    overlap = _setting("overlap", "overlap")
+    chunks = _setting("overlap", "chunks")
+    mode = _setting("auto", "mode")
+    memory_budget = _setting("auto", "memory_budget")
+    calibration = _setting("auto", "calibration")
+    causal = _setting("auto", "causal_hint")     # the cost model's hint: True unless causal=False
+    tune = _setting("auto", "tuned")             # time close calls on the call's shapes
 
     def fixed(self, **mode_kwargs: Any) -> "ContextParallel":
         """This style with a fixed mode (``ulysses_degree`` / ``kv_exchange`` / ``load_balance``)."""
-        return ContextParallel(self.seq_dim, self.head_dim, qkv_indices=self.qkv_indices,
-                               qkv_kwarg_names=self.qkv_kwarg_names, use_local_output=self.use_local_output,
-                               overlap=self.overlap, chunks=self.chunks, **mode_kwargs)
+        return ContextParallel.from_config(replace(self.config, exchange=CPExchange(**mode_kwargs),
+                                                   auto=CPAuto()))
 
     # ------------------------------------------------------------------ apply
     def apply(self, module: Module, device_mesh: DeviceMesh) -> Module:
@@ -191,25 +209,6 @@ class ContextParallel(ParallelStyle):
                     new_kwargs[slot[1]] = value
             return call_module(original, new_args, new_kwargs)   # flex_attention -> clear error
         return [get(s) for s in slots], call
-
-
-def _check_auto(mode, ulysses_degree, load_balance, kv_exchange, memory_budget, calibration, causal, tune):
-    if mode not in (None, "auto"):
-        raise ValueError(f"mode={mode!r} is not supported: pass mode='auto' (chosen per shape), or leave it "
-                         f"unset and choose with ulysses_degree / kv_exchange / load_balance")
-    if mode == "auto":
-        fixed = {k: v for k, v in (("ulysses_degree", ulysses_degree), ("load_balance", load_balance or None),
-                                   ("kv_exchange", None if kv_exchange == "allgather" else kv_exchange)) if v}
-        if fixed:
-            raise ValueError(f"mode='auto' chooses ulysses_degree, kv_exchange and load_balance itself; "
-                             f"drop {sorted(fixed)} or drop mode='auto'")
-        if memory_budget is not None and (not isinstance(memory_budget, (int, float)) or memory_budget <= 0):
-            raise ValueError(f"memory_budget={memory_budget!r} must be a positive number of bytes")
-        return
-    given = [n for n, v in (("memory_budget", memory_budget), ("calibration", calibration),
-                            ("causal", causal), ("tune", tune)) if v is not None]
-    if given:
-        raise ValueError(f"{given} only apply to mode='auto'; pass mode='auto' or drop them")
 
 
 class AsyncContextParallel(ContextParallel):

@@ -21,7 +21,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from hyper_parallel.core.bounded_cache import BoundedCache
 from hyper_parallel.core.context_parallel.auto.tuning import outside_user_state, stand_in
@@ -317,6 +317,8 @@ def _mode_seconds(style, mesh):
     attention is the tuning's stand-in (causal SDPA on BNSD blocks), no module."""
     platform = get_platform()
     q = platform.zeros((1, mesh.size(), 4, 8), dtype=platform.float32())
-    style.seq_dim, style.head_dim = 2, 1
+    # the stand-in's BNSD blocks: the same style with seq_dim 2, head_dim 1
+    layout = replace(style.config.layout, seq_dim=2, head_dim=1)
+    style = style.from_config(replace(style.config, layout=layout))
     call, cp_mesh = stand_in((2, 1), True, (q, q, q)), style._cp_mesh(mesh)
     return 3 * _seconds(lambda: run_attention(style, cp_mesh, [q, q, q], call))

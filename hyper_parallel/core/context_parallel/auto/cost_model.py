@@ -26,6 +26,7 @@ local length with load balancing, q and k/v of different lengths in the ring.
 """
 from typing import Any
 from dataclasses import dataclass
+from enum import Enum
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,36 @@ class CallShape:
     causal: bool
 
 
+class Family(str, Enum):
+    """A candidate's mode family (the calibration times one per family); the value is its printed name."""
+    ULYSSES = "ulysses"
+    ALLGATHER = "allgather"
+    ALLGATHER_LB = "allgather-lb"
+    RING = "ring"
+    RING_ZIGZAG = "ring-zigzag"
+    HYBRID = "hybrid"
+    HYBRID_RING = "hybrid-ring"
+
+
+_HYBRIDS = (Family.HYBRID, Family.HYBRID_RING)
+
+
 @dataclass(frozen=True)
 class Candidate:
-    name: str
+    family: Family
     ulysses_degree: int
     kv_exchange: str
     load_balance: bool
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "family", Family(self.family))   # the family's printed name also works
+
+    @property
+    def name(self) -> str:
+        """The printed name: the family, with the Ulysses degree for the hybrids (``hybrid(ds=2)``)."""
+        if self.family in _HYBRIDS:
+            return f"{self.family.value}(ds={self.ulysses_degree})"
+        return self.family.value
 
     def kwargs(self) -> Any:
         return {"ulysses_degree": self.ulysses_degree, "kv_exchange": self.kv_exchange,
@@ -59,17 +84,15 @@ def candidates(shape: Any, cp: Any) -> Any:
     local = shape.q_len // cp
     for ds in (d for d in range(cp, 0, -1) if cp % d == 0 and shape.q_heads % d == 0):
         if ds == cp:
-            out.append(Candidate("ulysses", ds, "allgather", False))
+            out.append(Candidate(Family.ULYSSES, ds, "allgather", False))
             continue
-        prefix = "allgather" if ds == 1 else f"hybrid(ds={ds})"
-        out.append(Candidate(prefix, ds, "allgather", False))
+        out.append(Candidate(Family.ALLGATHER if ds == 1 else Family.HYBRID, ds, "allgather", False))
         if ds == 1 and local % 2 == 0:
-            out.append(Candidate("allgather-lb", 1, "allgather", True))
+            out.append(Candidate(Family.ALLGATHER_LB, 1, "allgather", True))
         if shape.q_len == shape.kv_len:
-            ring = "ring" if ds == 1 else f"hybrid-ring(ds={ds})"
-            out.append(Candidate(ring, ds, "ring", False))
+            out.append(Candidate(Family.RING if ds == 1 else Family.HYBRID_RING, ds, "ring", False))
             if ds == 1 and local % 2 == 0:
-                out.append(Candidate("ring-zigzag", 1, "ring", True))
+                out.append(Candidate(Family.RING_ZIGZAG, 1, "ring", True))
     return out
 
 
@@ -139,9 +162,9 @@ def predict(shape: Any, cp: Any, candidate: Any, machine: Any) -> Any:
     return seconds + machine.overhead(family(candidate)), _held_bytes(shape, cp, candidate)
 
 
-def family(candidate: Any) -> Any:
-    """The candidate's name without its Ulysses degree (the calibration times one per family)."""
-    return candidate.name.split("(")[0]
+def family(candidate: Any) -> str:
+    """The candidate's family's printed name (the calibration times one per family)."""
+    return str(candidate.family.value)
 
 
 def _held_bytes(shape, cp, candidate):
