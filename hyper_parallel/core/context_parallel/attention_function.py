@@ -10,12 +10,13 @@ hybrid, and the ring and ``attention_masks`` interceptors run their block kernel
 variant. Every argument is checked here, before anything moves; what a mode cannot compute is a
 ValueError naming the argument, never an argument dropped.
 """
-from typing import Any
+from typing import Optional
 from hyper_parallel.core.agreement_attention import agree_on_variant
 from hyper_parallel.core.arguments import check_int, check_optional_float
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.attention.variant_kernel import Variant, variant_attention
 from hyper_parallel.core.dtensor.ops.attention_variants import AttentionExtras
+from hyper_parallel.core.typing import Tensor
 
 
 def _check(query, key, value, softcap, sinks, window, is_causal, scale):
@@ -45,8 +46,9 @@ def _check(query, key, value, softcap, sinks, window, is_causal, scale):
                              f"head groups: use overlap=False with sinks)")
 
 
-def attention(query: Any, key: Any, value: Any, *, is_causal: bool = False, scale: Any = None,
-              softcap: Any = None, sinks: Any = None, window: Any = None) -> Any:
+def attention(query: Tensor, key: Tensor, value: Tensor, *, is_causal: bool = False,
+              scale: Optional[float] = None, softcap: Optional[float] = None, sinks: Optional[Tensor] = None,
+              window: Optional[int] = None) -> Tensor:
     """softmax(cap(q·kᵀ·scale) + mask ∪ sinks)·v on (batch, heads, seq, dim) tensors.
 
     is_causal: query i sees keys j <= i (top-left aligned). scale: default 1/sqrt(dim). softcap c:
