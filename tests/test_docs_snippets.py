@@ -154,8 +154,10 @@ def _saved_scripts(where):
 
 
 @functools.lru_cache(maxsize=None)
-def _help(target):
-    cmd = [sys.executable, *(["-m", target] if not target.endswith(".py") else [target]), "--help"]
+def _help(target, subcommand=None):
+    """``target``'s --help (its ``subcommand``'s, for a command line with subcommands)."""
+    cmd = [sys.executable, *(["-m", target] if not target.endswith(".py") else [target]),
+           *([subcommand] if subcommand else []), "--help"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HP_PLATFORM")}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stderr}"
@@ -199,8 +201,11 @@ def _check_command(where, command):
         assert tool != "msrun" or "--join True" in command, \
             f"{where}: msrun without --join True returns before the workers end"
         target, ours = _target(where, words)
-        flags = [w.split("=")[0] for w in words[words.index(target) + 1:] if w.startswith("--")]
-        unknown = [f for f in flags if f not in _help(target)] if ours else []
+        rest = words[words.index(target) + 1:]
+        # python -m hyper_parallel.plan search --model ...: the options are the subcommand's
+        subcommand = rest[0] if rest and re.fullmatch(r"[a-z][a-z-]*", rest[0]) else None
+        flags = [w.split("=")[0] for w in rest if w.startswith("--")]
+        unknown = [f for f in flags if f not in _help(target, subcommand)] if ours else []
         assert not unknown, f"{where}: {target} has no option {unknown} (see its --help)"
 
 
