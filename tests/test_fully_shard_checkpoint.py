@@ -129,7 +129,8 @@ def _skipped_forward(rank, world_size, timeout):
     model = fm.shard_net(fm.net(), mesh)
     if rank == world_size - 1:
         return None
-    # the step's first collective: the ranks' agreement check of the first forward, then all-gathers
+    # the step's first collective: the ranks' agreement check of the first forward (an AgreementTimeoutError,
+    # a ValueError and a TimeoutError), then all-gathers
     with pytest.raises(TimeoutError, match="shape_check|all_gather"):
         model(fm.batch(0, rank))
     return True

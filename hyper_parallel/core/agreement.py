@@ -238,7 +238,8 @@ def check_agreement(mesh_or_group: Any, feature: str, settings: Mapping[str, obj
     try:
         mins, maxs = _min_max(mesh_or_group, vector)
     except (RuntimeError, TimeoutError) as exc:   # the peers never came: this rank changed alone
-        raise ValueError(_alone(mesh_or_group, feature, previous, fields, shown, names, fix, exc)) from exc
+        raise AgreementTimeoutError(_alone(mesh_or_group, feature, previous, fields, shown, names, fix,
+                                           exc)) from exc
     if mins != maxs:
         raise ValueError(_message(mesh_or_group, feature, names, shown, mins, maxs, fix))
     if previous is not _RAISED:
@@ -246,6 +247,12 @@ def check_agreement(mesh_or_group: Any, feature: str, settings: Mapping[str, obj
     if (site, fields) not in _NEXT:   # until seen otherwise, a key is expected to repeat
         _NEXT[(site, fields)] = fields
     _LAST[site] = fields
+
+
+class AgreementTimeoutError(ValueError, TimeoutError):
+    """An agreement check the other ranks never joined within the mesh's timeout. Both a ValueError
+    (the likely cause a rank can act on: it changed a setting alone, so it checked while its peers
+    did not) and a TimeoutError (the peers may instead have skipped the step, raised or died)."""
 
 
 def _alone(mesh_or_group: Any, feature: str, previous: Optional[tuple], fields: tuple, shown: list,
@@ -258,7 +265,8 @@ def _alone(mesh_or_group: Any, feature: str, previous: Optional[tuple], fields: 
     what = (f"this rank's {', '.join(changed)} changed since its previous call here (its settings now: "
             f"{now}), so it checked again" if changed else f"this rank reached a check (its settings: {now})")
     return (f"{feature}: the agreement check on {_where(mesh_or_group)} was not joined by the other ranks "
-            f"within the timeout: {what}, while they continued as before and went on. Every rank "
+            f"within the timeout: {what}; either they skipped this step (raised, exited) or they "
+            f"continued with their previous settings. Every rank "
             f"must pass the same settings, and change them together ({CHECK_ENV}=every checks every call). "
             f"Fix: {fix or 'pass the same value on every rank'}. ({type(exc).__name__}: "
             f"{_show(str(exc).splitlines()[0] if str(exc) else '')})")
