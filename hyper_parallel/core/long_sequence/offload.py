@@ -29,7 +29,8 @@ class OffloadStats:
 
 
 def _nbytes(tensor):
-    return tensor.numel() * tensor.element_size() if hasattr(tensor, "element_size") else 0
+    # the platform's count: MindSpore tensors have no element_size() (they were counted as 0 bytes)
+    return get_platform().tensor_nbytes(tensor)
 
 
 @contextlib.contextmanager
