@@ -51,12 +51,10 @@ _names = itertools.count()
 
 
 class _CoreAttention(torch.nn.Module):
-    """BNSD q/k/v in, BNSD out: q's own layout, so the output's sequence dim is never ambiguous (a
-    sequence as long as head_dim), and the caller turns the local block into the BSHD that HF
-    attention functions return. No mask argument: padding
-    and documents arrive through ``attention_masks``, which the CP modes apply at this attention call.
-    Soft-capping, sinks and a window go through ``hyper_parallel.attention`` (sdpa has no argument
-    for them); without them, plain sdpa."""
+    """BNSD q/k/v in, BNSD out (q's own layout: a sequence as long as head_dim is no ambiguous output
+    dim); the caller makes the local block the BSHD HF attention functions return. No mask argument:
+    padding and documents arrive through ``attention_masks``, which the CP modes apply here.
+    Soft-capping, sinks and a window go through ``hyper_parallel.attention``; else plain sdpa."""
 
     def forward(self, q, k, v, scale=None, dropout=0.0, causal=True, gqa=False, softcap=None, sinks=None,
                 window=None):

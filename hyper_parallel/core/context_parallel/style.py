@@ -6,7 +6,7 @@ the attention rule applies the global causal offset), or the hybrid of both on a
 The module's forward sees DTensors, so plain matmul/softmax attention code is distributed by the
 same sharding rules as ``F.scaled_dot_product_attention``.
 """
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Literal, Optional, Sequence, Tuple, Union
 from dataclasses import replace
 import contextvars
 import os
@@ -155,7 +155,7 @@ class ContextParallel(ParallelStyle):
     def _make_forward(self, module, original, mesh):
         key = id(module)
 
-        def guarded(run):
+        def guarded(run: Callable[[], Any]) -> Any:
             active = _active.get()
             token = _active.set(active | {key})
             try:
@@ -163,13 +163,13 @@ class ContextParallel(ParallelStyle):
             finally:
                 _active.reset(token)
 
-        def forward(*args, **kwargs):
+        def forward(*args: Any, **kwargs: Any) -> Any:
             if key in _active.get():  # a recursive call: inputs are already distributed
                 return original(*args, **kwargs)
             qkv, call = self._bind(original, args, kwargs)
             return guarded(lambda: run_attention(*self._resolve(mesh, qkv), qkv, call))
 
-        def start(*args, **kwargs):
+        def start(*args: Any, **kwargs: Any) -> Any:
             qkv, call = self._bind(original, args, kwargs)
             style, cp_mesh = self._resolve(mesh, qkv)
             # finish() runs the module later: inside the guard again, as forward does
@@ -177,7 +177,7 @@ class ContextParallel(ParallelStyle):
         object.__setattr__(module, _STARTER, start)
         return forward
 
-    def _resolve(self, mesh, qkv):
+    def _resolve(self, mesh: Any, qkv: Any) -> Tuple[Any, Any]:
         """(the style that runs this call, its CP mesh): this one, or mode="auto"'s choice."""
         return (self, mesh) if self._auto is None else self._auto.resolve(mesh, qkv)
 
@@ -200,7 +200,7 @@ class ContextParallel(ParallelStyle):
         slots = self._locate_qkv(args, kwargs)
         get = lambda s: args[s[1]] if s[0] == "arg" else kwargs[s[1]]  # noqa: E731
 
-        def call(q, k, v):
+        def call(q: Any, k: Any, v: Any) -> Any:
             new_args, new_kwargs = list(args), dict(kwargs)
             for slot, value in zip(slots, (q, k, v)):
                 if slot[0] == "arg":

@@ -40,7 +40,7 @@ def offload_activations() -> Iterator[Any]:
     platform = get_platform()
     stats = OffloadStats()
 
-    def pack(tensor):
+    def pack(tensor: Any) -> Any:
         if isinstance(tensor, platform.Parameter):
             stats.kept += 1
             return (False, tensor)

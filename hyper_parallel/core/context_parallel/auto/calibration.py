@@ -291,7 +291,7 @@ def _overlap(platform, group, nbytes):
     compute = _seconds(kernel)
     transfer = _seconds(lambda: platform.all_reduce(buffer, group, tag="calibration"))
 
-    def both():
+    def both() -> None:
         handle = platform.all_reduce(buffer, group, async_op=True, tag="calibration")
         kernel()
         handle.wait()
