@@ -33,6 +33,7 @@ shapes, so ranks that disagree all raise before the gathers whose sizes depend o
 import copy
 import itertools
 import weakref
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -56,15 +57,14 @@ class _CoreAttention(torch.nn.Module):
     padding and documents arrive through ``attention_masks``, which the CP modes apply here.
     Soft-capping, sinks and a window go through ``hyper_parallel.attention``; else plain sdpa."""
 
-    def forward(self, q, k, v, scale=None, dropout=0.0, causal=True, gqa=False, softcap=None, sinks=None,
-                window=None):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None,
+                dropout: float = 0.0, causal: bool = True, gqa: bool = False, softcap: Optional[float] = None,
+                sinks: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
         if softcap is not None or sinks is not None or window is not None:
-            out = hp_attention(q, k, v, is_causal=causal, scale=scale, softcap=softcap, sinks=sinks,
-                               window=window)
-            return out
-        extra = {"enable_gqa": True} if gqa else {}
+            return hp_attention(q, k, v, is_causal=causal, scale=scale, softcap=softcap, sinks=sinks,
+                                window=window)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, scale=scale,
-                                              **extra)
+                                              enable_gqa=gqa)
 
 
 class CPAttention:
@@ -119,14 +119,15 @@ class CPAttention:
         with attention_masks(**masks):
             return self.core(*args).transpose(1, 2), None
 
-    def start(self, module, query, key, value, scaling=None, dropout=0.0, **kwargs):
+    def start(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              scaling: Optional[float] = None, dropout: float = 0.0, **kwargs: Any) -> Any:
         """The same call as a pending one (``start_attention``: its collective travels until
         ``finish()``, which gives the local block in BNSD); only where no mask is active (hf_overlap.py
         checks)."""
         args = self._core_args(module, query, key, value, None, scaling, dropout, kwargs, None)
         return start_attention(self.core, *args)
 
-    def learn_mask(self, module, attention_mask):
+    def learn_mask(self, module: torch.nn.Module, attention_mask: Any) -> None:
         """During the audit: what the mask the model built for ``module`` restricts (hf_mask_probe.py)."""
         if attention_mask is None or module in self.restrictions:   # the first (unpadded) probe run decides
             return
@@ -365,7 +366,7 @@ def _own_config(model):
             module.config = new
 
 
-def prepare_context_parallel(model, cp_mesh, cp_kwargs):
+def prepare_context_parallel(model: Any, cp_mesh: Any, cp_kwargs: Dict[str, Any]) -> "CPAttention":
     """Switch the model's attention to the CP attention function and audit the model (before any
     tensor parallelism, so that the audit's runs need no collective). Returns the state."""
     from transformers import AttentionInterface
@@ -387,7 +388,7 @@ def prepare_context_parallel(model, cp_mesh, cp_kwargs):
     return state
 
 
-def apply_context_parallel(model, state, cp_kwargs):
+def apply_context_parallel(model: Any, state: "CPAttention", cp_kwargs: Dict[str, Any]) -> Any:
     """The per-forward hooks (global masks and positions) and, with ``overlap``, the pipelined blocks."""
     # on the model itself, where every call enters (OPT's and BART-style *ForCausalLM call their decoder
     # directly, not model.base_model); positions are fixed where the model's sources read them

@@ -52,7 +52,7 @@ def offload_activations() -> Iterator[Any]:
         stats.offloaded_bytes += _nbytes(tensor)
         return (True, (host, tensor.device))
 
-    def unpack(packed):
+    def unpack(packed: Any) -> Any:
         moved, value = packed
         if not moved:
             return value
