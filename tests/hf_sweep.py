@@ -229,7 +229,7 @@ def run_case(model_type, rope_type, mode, mesh):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            parallelize_model(model, mesh, **MODES[mode])
+            parallelize_model(model, mesh, **MODES[mode.split("@")[0]])   # "zigzag@4": CP 4
         except ValueError as error:
             return "refused", _short(error)
         except Exception as error:
@@ -318,9 +318,9 @@ def table(results):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("types", nargs="*", help="model types (default: every causal LM)")
-    parser.add_argument("--modes", default="ulysses,allgather-lb,zigzag")
-    parser.add_argument("--ropes", action="store_true", help="every rope_type the config takes (ulysses)")
-    parser.add_argument("--cp4", action="store_true", help="also CP 4 (allgather-lb)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--ropes", action="store_true", help="every rope_type the config takes, in every mode")
+    parser.add_argument("--cp4", action="store_true", help="also CP 4, in every mode")
     parser.add_argument("--write", help="write the markdown table to this file")
     parser.add_argument("--json", help="also dump every case's verdict to this file")
     parser.add_argument("--from-log", nargs="*", help="tabulate these $HP_SWEEP_LOG files instead of running")
@@ -329,7 +329,7 @@ def main(argv=None):
     modes = args.modes.split(",")
     cases = [(t, "default", m) for t in types for m in modes]
     if args.ropes:
-        cases += [(t, r, modes[0]) for t in types for r in ROPE_TYPES if r != "default"]
+        cases += [(t, r, m) for t in types for r in ROPE_TYPES if r != "default" for m in modes]
     if args.from_log:
         import json
         results = {}
@@ -341,8 +341,7 @@ def main(argv=None):
     else:
         results = run_cases(cases)
     if args.cp4 and not args.from_log:
-        results.update({(t, r, m + "@4"): v for (t, r, m), v in
-                        run_cases([(t, "default", "allgather-lb") for t in types], world_size=4).items()})
+        results.update(run_cases([(t, "default", m + "@4") for t in types for m in modes], world_size=4))
     if args.json:
         import json
         with open(args.json, "w") as out:
