@@ -265,6 +265,17 @@ def _log(cases, results):
                 out.write(json.dumps([list(case), list(results[case])]) + "\n")
 
 
+def _logged():
+    """The cases $HP_SWEEP_LOG already holds (``--resume``)."""
+    import json
+    import os
+    path = os.environ.get("HP_SWEEP_LOG")
+    if not path or not os.path.exists(path):
+        return set()
+    with open(path) as log:
+        return {tuple(json.loads(line)[0]) for line in log}
+
+
 def run_cases(cases, world_size=2, batch=8, timeout=600):
     """{case: (verdict, detail)}; a batch whose pool call fails is re-run one case at a time, and a case
     that fails alone (a hang, a crash, ranks that disagree) is obscure."""
@@ -324,8 +335,10 @@ def main(argv=None):
     parser.add_argument("--write", help="write the markdown table to this file")
     parser.add_argument("--json", help="also dump every case's verdict to this file")
     parser.add_argument("--from-log", nargs="*", help="tabulate these $HP_SWEEP_LOG files instead of running")
+    parser.add_argument("--skip", default="", help="model types to leave out (comma-separated)")
+    parser.add_argument("--resume", action="store_true", help="run only the cases $HP_SWEEP_LOG lacks")
     args = parser.parse_args(argv)
-    types = args.types or causal_lm_types()
+    types = [t for t in args.types or causal_lm_types() if t not in args.skip.split(",")]
     modes = args.modes.split(",")
     cases = [(t, "default", m) for t in types for m in modes]
     if args.ropes:
@@ -339,9 +352,12 @@ def main(argv=None):
         missing = sorted(set(types) - {case[0] for case in results})
         results.update(((t, "default", "-"), ("not run", "not reached in this sweep")) for t in missing)
     else:
-        results = run_cases(cases)
+        done = _logged() if args.resume else set()
+        results = run_cases([c for c in cases if c not in done])
     if args.cp4 and not args.from_log:
-        results.update(run_cases([(t, "default", m + "@4") for t in types for m in modes], world_size=4))
+        done = _logged() if args.resume else set()
+        results.update(run_cases([c for c in ((t, "default", m + "@4") for t in types for m in modes)
+                                  if c not in done], world_size=4))
     if args.json:
         import json
         with open(args.json, "w") as out:

@@ -18,6 +18,7 @@ SAMPLE = {
     ("bigbird_pegasus", "default", "zigzag"): ("exact", ""),   # a decoder called directly, eager masks
     ("llama", "dynamic", "ulysses"): ("exact", ""),            # scaling chosen from the global length
     ("phi3", "longrope", "allgather"): ("exact", ""),          # long factors past the original length
+    ("afmoe", "default", "ring"): ("exact", ""),               # .view()s the attention output
     ("llama4_text", "default", "ulysses"): ("refused", "model.layers.1.self_attn (Llama4TextAttention)"),
 }
 

@@ -113,11 +113,11 @@ class CPAttention:
         if chunk is not None:   # chunked attention: chunks of the global token index are documents
             masks = hf_mask_probe.with_chunks(masks, chunk, query.shape[0], query.shape[2] * self.mesh.size())
         args = self._core_args(module, query, key, value, attention_mask, scaling, dropout, kwargs, masks)
-        if masks is None:
-            return self.core(*args).transpose(1, 2), None
+        if masks is None:   # contiguous BSHD, as transformers' attention functions return (AFMoE views it)
+            return self.core(*args).transpose(1, 2).contiguous(), None
         # entered per call (not across the whole forward): a forward that raises leaves no context behind
         with attention_masks(**masks):
-            return self.core(*args).transpose(1, 2), None
+            return self.core(*args).transpose(1, 2).contiguous(), None
 
     def start(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               scaling: Optional[float] = None, dropout: float = 0.0, **kwargs: Any) -> Any:
