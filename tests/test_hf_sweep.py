@@ -19,7 +19,7 @@ SAMPLE = {
     ("llama", "dynamic", "ulysses"): ("exact", ""),            # scaling chosen from the global length
     ("phi3", "longrope", "allgather"): ("exact", ""),          # long factors past the original length
     ("afmoe", "default", "ring"): ("exact", ""),               # .view()s the attention output
-    ("llama4_text", "default", "ulysses"): ("refused", "model.layers.1.self_attn (Llama4TextAttention)"),
+    ("llama4_text", "default", "ulysses"): ("exact", ""),      # temperature from the cache's past length
 }
 
 
@@ -111,3 +111,35 @@ def _verify(rank, world_size):
 
 def test_verify_names_the_first_layer_that_differs():
     assert run_dist(2, _verify) == [True, True]
+
+
+def _block_cache(rank, world_size, mode):
+    """Llama 4's NoPE layers scale queries by a temperature of positions counted from the KV cache's past
+    length: each rank is handed its block's start (hf_block_cache.py), also when activation checkpointing
+    recomputes the layer in backward, outside the forward."""
+    import copy
+
+    import torch
+    from hyper_parallel import init_device_mesh
+    from hyper_parallel.integrations.transformers import parallelize_model
+    from tests.hf_sweep import MODES, _batch, _difference, _reference, _under_cp, tiny
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",), timeout=60)
+    config, model_class = tiny("llama4_text")
+    assert config.attn_temperature_tuning and config.no_rope_layers.count(0) >= 1
+    torch.manual_seed(0)
+    reference = model_class(config).float()
+    model = copy.deepcopy(reference)
+    for m in (reference, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+    ids, labels = _batch(int(config.vocab_size))
+    ref_logits, ref_grads = _reference(reference, ids, labels)
+    parallelize_model(model, mesh, **MODES[mode])
+    logits, grads = _under_cp(model, ids, labels, mesh)
+    return _difference(logits, grads, ref_logits, ref_grads)
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "zigzag"])
+def test_attention_temperature_counts_from_the_block_start(mode):
+    assert run_dist(2, _block_cache, mode, timeout=300) == ["", ""]

@@ -20,15 +20,13 @@ They reproduce transformers' sdpa path on one device:
   document, positions follow the token order, so causal on positions is causal on tokens);
 - else none: ``is_causal``.
 
-Missing ``position_ids`` are filled with the block's global positions (transformers would count
-from 0 on every rank). Gemma 2's ``softcap`` and gpt-oss's ``s_aux`` sinks go to
-``hyper_parallel.attention`` in every mode, and so does a ``sliding_window`` shorter than the whole
-sequence (hf_attention_args.py). Unsupported inputs raise ``ValueError``: 4-D masks, KV caches,
-attention keywords it does not implement (hf_attention_args.py), and attention dropout together
-with a padding mask, packing, soft-capping, sinks or a window (those kernels take no dropout).
-Before any of this, the model is audited for modules that mix the sequence outside attention
-(hf_sequence_audit.py), and every forward starts with one fixed-size exchange of each rank's input
-shapes, so ranks that disagree all raise before the gathers whose sizes depend on them.
+Positions: every module that reads them sees the global ones (hf_positions.py, hf_block_cache.py).
+Gemma 2's ``softcap``, gpt-oss's ``s_aux`` sinks and a ``sliding_window`` shorter than the sequence go
+to ``hyper_parallel.attention`` in every mode (hf_attention_args.py). Unsupported inputs raise
+``ValueError``: 4-D masks, KV caches, attention keywords it does not implement, attention dropout with
+a padding mask, packing, soft-capping, sinks or a window. Before any of this, the model is audited
+for modules that mix the sequence outside attention (hf_sequence_audit.py), and every forward starts
+with one fixed-size exchange of each rank's input shapes, so ranks that disagree all raise first.
 """
 import copy
 import itertools
@@ -38,9 +36,8 @@ from typing import Any, Dict, Optional
 import torch
 import torch.nn.functional as F
 
-from hyper_parallel.core.context_parallel import ContextParallel, start_attention
+from hyper_parallel.core.context_parallel import ContextParallel, attention as hp_attention, start_attention
 from hyper_parallel.core.context_parallel.masks.attention_masks import attention_masks
-from hyper_parallel.core.context_parallel import attention as hp_attention
 from hyper_parallel.integrations import hf_mask_probe, hf_positions
 from hyper_parallel.integrations.hf_attention_args import attention_variant, check_attention_kwargs
 from hyper_parallel.integrations.hf_overlap import pipeline_attention_blocks
@@ -219,9 +216,12 @@ class CPAttention:
                 self.entry_offset = hf_positions.entry_offset(self.sources)
                 hf_positions.install(self.sources, lambda: self.context)
                 hf_positions.refuse_block_differences(model, entry, lambda c: setattr(self, "context", c),
-                                                      self.entry_offset)
+                                                      self.entry_offset, self._block_start)
         finally:
             self.probing = False
+
+    def _block_start(self, local: int) -> int:   # this rank's first token (hf_block_cache.py)
+        return self.context.start if self.context is not None else self.mesh.get_local_rank() * local
 
     def pre_forward(self, module, args, kwargs):
         if self.probing or self.disabled:   # the audit, or verify=True's run without CP (hf_verify.py)

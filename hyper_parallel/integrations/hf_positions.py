@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from hyper_parallel.integrations import hf_block_cache
 from hyper_parallel.integrations.hf_sequence_audit import marked_probing
 
 _Key = Tuple[str, Any]   # ("arg", index) or ("kw", name)
@@ -169,19 +170,36 @@ def position_sources(model: Any, entry_parameters: Any) -> Any:
         return find_sources(model, _runner(model, entry_parameters, device), ids, other)
 
 
-def refuse_block_differences(model: Any, entry_parameters: Any, set_context: Any, offset: Any) -> None:
+def refuse_block_differences(model: Any, entry_parameters: Any, set_context: Any, offset: Any,
+                             start_of: Any) -> List[Any]:
     """ValueError naming the modules whose output on a later block differs from the whole sequence's
-    (after the source hooks are installed; the caller has attention replaced by the stand-in)."""
+    (after the source hooks are installed; the caller has attention replaced by the stand-in), unless
+    handing them the block's past length as a KV cache removes every difference (hf_block_cache.py):
+    then the hooks doing so, to keep."""
     ids, other, device = _probe_inputs(model)
+    run = _runner(model, entry_parameters, device, offset)
+    tokens = torch.cat([ids, other], 1)
     with _probing(model):
-        found = block_differences(model, _runner(model, entry_parameters, device, offset),
-                                  torch.cat([ids, other], 1), set_context)
+        found = block_differences(model, run, tokens, set_context)
+        hooks = hf_block_cache.offer(model, [f.split(" (")[0] for f in found], start_of) if found else []
+        if hooks:
+            try:
+                remaining = block_differences(model, run, tokens, set_context)
+            except Exception:   # the model reads more of a cache than its length: not this remedy
+                remaining = found
+            if remaining:
+                for hook in hooks:
+                    hook.remove()
+                hooks = []
+            else:
+                found = []
     if found:
         raise ValueError(f"parallelize_model: {type(model).__name__} computes something different on a later "
                          f"block of the sequence than on the whole sequence, with global positions handed to "
                          f"every position embedding: {'; '.join(found)} (e.g. an attention temperature or "
                          f"positions counted from the block's own token index, or from token contents). "
                          f"Context parallelism cannot split it; train this model without a 'cp' mesh dim")
+    return hooks
 
 
 class PositionContext:

@@ -1,0 +1,77 @@
+"""The tokens before a rank's block, told through the one channel some modules read them from: a KV cache.
+
+A module that counts positions itself from ``arange(block length)`` plus the cache's past length (Llama 4's
+attention temperature on its NoPE layers; transformers' idiom for continuing a sequence) restarts at 0 on
+every CP rank: the audit (hf_positions.block_differences) finds it as a module whose output on a later
+block differs from the whole sequence's. To such a module a rank's block IS a continuation of the
+``start`` tokens before it, so it is handed a ``BlockCache`` reporting ``start`` past tokens whose
+``update`` passes the block's keys and values through unchanged (attention still reaches the earlier
+tokens through context parallelism, not through the cache). The audit re-runs with the caches in place
+and keeps them only if every difference is gone; otherwise the model is refused as before.
+"""
+import inspect
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+_CACHE_ARGS = ("cache", "past_key_values")
+
+
+class BlockCache:
+    """A KV cache that holds the ``start`` tokens before this rank's block and stores nothing."""
+
+    def __init__(self, start: int) -> None:
+        self.start = int(start)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.start
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        return key_states, value_states
+
+
+def cache_argument(module: torch.nn.Module) -> Optional[str]:
+    """The name of ``module.forward``'s KV-cache parameter, or None."""
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((name for name in _CACHE_ARGS if name in parameters), None)
+
+
+class BlockCacheHook:
+    """Hands ``module`` a BlockCache of this call's block start when its caller passes no cache.
+
+    ``start_of(block_length)`` is the block's global start: the current forward's (its PositionContext),
+    or, for a call outside a forward (activation checkpointing recomputing a layer in backward), this
+    rank's index times the block length, which is the same number."""
+
+    def __init__(self, module: torch.nn.Module, argument: str, start_of: Callable[[int], int]) -> None:
+        self.argument, self.start_of = argument, start_of
+        self.handle = module.register_forward_pre_hook(self.pre, with_kwargs=True)
+
+    def pre(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+        if kwargs.get(self.argument) is not None:
+            return None
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if not torch.is_tensor(hidden) or hidden.ndim < 2:
+            return None
+        return args, dict(kwargs, **{self.argument: BlockCache(self.start_of(int(hidden.shape[1])))})
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def offer(model: torch.nn.Module, names: List[str], start_of: Callable[[int], int]) -> List[BlockCacheHook]:
+    """Hooks on the named modules (or their nearest ancestor) that take a KV cache; [] when one has none."""
+    modules = dict(model.named_modules())
+    targets = {}
+    for name in names:
+        target = name
+        while target and cache_argument(modules[target]) is None:
+            target = target.rpartition(".")[0]
+        if not target:
+            return []
+        targets[target] = cache_argument(modules[target])
+    return [BlockCacheHook(modules[t], argument, start_of) for t, argument in targets.items()]
