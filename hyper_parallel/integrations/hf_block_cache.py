@@ -10,7 +10,7 @@ tokens through context parallelism, not through the cache). The audit re-runs wi
 and keeps them only if every difference is gone; otherwise the model is refused as before.
 """
 import inspect
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -66,12 +66,13 @@ class BlockCacheHook:
 def offer(model: torch.nn.Module, names: List[str], start_of: Callable[[int], int]) -> List[BlockCacheHook]:
     """Hooks on the named modules (or their nearest ancestor) that take a KV cache; [] when one has none."""
     modules = dict(model.named_modules())
-    targets = {}
+    targets: Dict[str, str] = {}
     for name in names:
-        target = name
-        while target and cache_argument(modules[target]) is None:
+        target, argument = name, cache_argument(modules[name])
+        while target and argument is None:
             target = target.rpartition(".")[0]
-        if not target:
+            argument = cache_argument(modules[target]) if target else None
+        if argument is None:
             return []
-        targets[target] = cache_argument(modules[target])
+        targets[target] = argument
     return [BlockCacheHook(modules[t], argument, start_of) for t, argument in targets.items()]
