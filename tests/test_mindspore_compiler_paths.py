@@ -22,8 +22,14 @@ def _needs_mindspore():
 
 
 # DTensor paths that compute the right value instead of refusing: ast runs the partial object's call in
-# Python (MindSpore's JIT fallback), where the DTensor dispatch works
-COMPUTED = {"parameter | ast | partial_argument", "activation | ast | partial_argument"}
+# Python (MindSpore's JIT fallback), where the DTensor dispatch works; bytecode capture breaks the graph
+# at a DTensor it reaches through an attribute, a helper or a Cell's container (its placeholder has an
+# unknown rank, platform/mindspore/dtensor_base.py) and runs that part in Python
+_BYTECODE_IN_PYTHON = ("global_helper", "attribute", "dataclass_field", "partial_argument",
+                       "plain class method", "Cell list attribute", "Cell dict attribute",
+                       "Cell class attribute")
+COMPUTED = {"parameter | ast | partial_argument", "activation | ast | partial_argument"} | \
+    {f"{kind} | bytecode | {path}" for kind in ("parameter", "activation") for path in _BYTECODE_IN_PYTHON}
 
 
 def test_every_path_into_a_compiled_graph_computes_right_or_refuses():

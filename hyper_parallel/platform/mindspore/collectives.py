@@ -18,7 +18,7 @@ from mindspore import mint, ops
 from mindspore.communication import GlobalComm, create_group, get_group_size, get_rank
 import mindspore.mint.distributed as msdist
 
-from hyper_parallel.platform.mindspore import emulations
+from hyper_parallel.platform.mindspore import emulations, placeholder_guard
 from hyper_parallel.platform.mindspore.groups import (MsGroup, check_reduce_op, done, force_emulation,
                                                       handle, nbytes, numel)
 
@@ -100,6 +100,11 @@ class Collectives:
         self._world = None
 
     def record(self, op: Any, nbytes_: Any, group: Any) -> None:
+        # every collective passes here first: inside ms.jit(capture_mode="trace") it would be recorded
+        # into the graph (a rank check's all-reduce on a constant made the trace unclosable, and every
+        # later trace of the process failed), so it refuses as a DTensor operator does
+        if placeholder_guard.tracing():
+            placeholder_guard.check_not_tracing(None, what=f"hyper_parallel's {op}")
         if nbytes_:
             self._platform.record_comm(op, int(nbytes_), group.ranks)
 

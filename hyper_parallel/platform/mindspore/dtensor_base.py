@@ -9,10 +9,11 @@ plans the layouts with the op's sharding rule, redistributes, and runs the MindS
 the local shards under MindSpore's own autograd. Operators without a rule run replicated (the
 inputs are all-gathered; a warning names the operator; ``HP_STRICT_DISPATCH=1`` raises).
 
-The object itself is a Tensor whose own data is an empty placeholder (the shard is
-``_local_tensor``), so it can be passed anywhere MindSpore expects a Tensor, and a code path that
-reads a DTensor's data without asking ``__fallback__`` fails loudly instead of computing on one
-rank's shard; the Python-level reads are overridden here: ``shape``/``ndim``/``size``/``numel``/
+The object itself is a Tensor whose own data is a placeholder without data (of unknown rank; the
+shard is ``_local_tensor``), so it can be passed anywhere MindSpore expects a Tensor, and a code path
+that reads a DTensor's data without asking ``__fallback__`` fails loudly instead of computing on
+nothing (the C++ entry points that took it silently are handled in placeholder_reads.py); the
+Python-level reads are overridden here: ``shape``/``ndim``/``size``/``numel``/
 ``len`` give the global
 shape, indexing goes through the sharding rules, and conversions to numbers or arrays
 (``asnumpy``, ``item``, ``tolist``, ``float``...) raise unless the value is a single element
@@ -62,12 +63,14 @@ class MindSporeDTensorBase(ms.Tensor):
         if global_shape is None:   # not the library: ms.Parameter(dt), or copy / pickle rebuilding one
             what = "ms.Parameter(dtensor)" if isinstance(local_tensor, ms.Tensor) else "rebuilding a DTensor"
             raise ValueError(_NO_COPY.format(what=what))
-        placeholder = _placeholder(local_tensor.dtype)
-        if math.prod(global_shape) == 1 and _records_gradient(local_tensor):
-            placeholder = _ScalarLink.apply(local_tensor, tuple(int(s) for s in global_shape))
+        shape = tuple(int(s) for s in global_shape)
+        if math.prod(shape) == 1 and _records_gradient(local_tensor):
+            placeholder = _ScalarLink.apply(local_tensor, shape)
+        else:
+            placeholder = _placeholder(local_tensor.dtype, shape)
         obj = ms.Tensor.__new__(cls, placeholder)
         ms.Tensor.__init__(obj, placeholder)
-        obj._hp_shape = tuple(int(s) for s in global_shape)
+        obj._hp_shape = shape
         obj._hp_requires_grad = bool(requires_grad)
         return obj
 
@@ -129,6 +132,8 @@ class MindSporeDTensorBase(ms.Tensor):
         if len(args) == 3 and isinstance(args[0], Primitive) and isinstance(args[1], str):
             legacy, args = args[0], tuple(args[2])   # an old-style Primitive call
         kwargs = dict(kwargs or {})
+        if legacy is not None and name == "Stack":   # its axis is the Primitive's: the rule must see it
+            kwargs.setdefault("axis", legacy.attrs.get("axis", 0))
         if _is_inplace(name):
             raise NotImplementedError(
                 f"in-place MindSpore operator {name} on a DTensor is not supported; use the "
@@ -225,23 +230,53 @@ class MindSporeDTensorBase(ms.Tensor):
     def get_bytes(self) -> Any:   # what ms.save_checkpoint reads
         raise ValueError(_NO_COPY.format(what="saving a DTensor's bytes (ms.save_checkpoint)"))
 
+    def register_hook(self, hook: Any) -> Any:
+        raise NotImplementedError(
+            "dt.register_hook(fn): on MindSpore a DTensor's gradient flows through its local tensor, so a "
+            "hook on the DTensor object would never run; register it on the local tensor the DTensor was "
+            "made from (DTensor.from_local(local, ...): local.register_hook(fn), the gradient of this "
+            "rank's piece) or on the parallelized Cell's Parameter")
+
+    def set_dtype(self, dtype: Any) -> Any:
+        raise NotImplementedError("dt.set_dtype(dtype) would retype the DTensor's placeholder, not its "
+                                  "shard; use dt = dt.astype(dtype)")
+
+    # MindSpore's protocol for lazily computed tensors: ``Tensor.assign_value`` (and so
+    # ``Parameter.set_data``, which ends in it) takes ``value.stub_sync()`` when ``value`` has ``stub``,
+    # and would otherwise copy the placeholder in C++ without asking anything else
+    stub = True
+
+    def stub_sync(self) -> Any:
+        what = "param.set_data(dtensor) / tensor.assign_value(dtensor) / a sparse tensor's values"
+        raise ValueError(_NO_COPY.format(what=what).replace("ms.Parameter(dt.to_local())",
+                                                            "param.set_data(dt.to_local())"))
+
 
 # ============================================================================== helpers
 _PLACEHOLDERS: dict[Any, Any] = {}
 _NO_COPY = ("{what}: a DTensor's own data is an empty placeholder (its shard is dt.to_local()), so this "
             "would silently copy nothing; use dt.to_local() (this rank's shard) or dt.full_tensor() (the "
             "global value), e.g. ms.Parameter(dt.to_local()), or keep the DTensor itself")
+NO_COPY = _NO_COPY   # placeholder_reads.py words its errors the same way
 
 
-def _placeholder(dtype):
-    """The data of every DTensor object of ``dtype``: an empty tensor. The shard lives in
-    ``_local_tensor``; a MindSpore code path that reads a DTensor's own data without asking
-    ``__fallback__`` (an old-style Primitive taking a tuple of tensors, e.g. ``ops.stack``, or
-    ``ops.addn``) then fails on the shape instead of silently using one rank's shard as the
-    global value."""
-    empty = _PLACEHOLDERS.get(dtype)
+def _placeholder(dtype, shape):
+    """The data of every DTensor object of ``dtype``: a tensor of unknown rank (shape ``(-2,)``), which
+    holds no data. The shard lives in ``_local_tensor``; a MindSpore code path that reads a DTensor's
+    own data without asking ``__fallback__`` then fails in the kernel ("Resize failed", "negative
+    dimensions are not allowed") instead of silently using an empty tensor (an empty placeholder of
+    shape (0,) made ``ops.stack([dt, dt])`` return shape (2, 0), ``ops.addn`` an empty sum and
+    ``ms.grad`` with respect to a DTensor an empty gradient). The known entry points of that kind are
+    routed or refused with the fix in placeholder_reads.py. A one-element floating DTensor holds a NaN
+    of its global shape instead (as ``_ScalarLink`` does while a graph is recorded): MindSpore's JIT
+    fallback hands a Python-computed value (e.g. a DTensor loss) through a kernel that needs a static
+    shape, and a read elsewhere gives NaN, never a plausible number."""
+    key = (dtype, shape if math.prod(shape) == 1 and dtype in _FLOATS else None)
+    empty = _PLACEHOLDERS.get(key)
     if empty is None:
-        empty = _PLACEHOLDERS[dtype] = ms.Tensor(np.zeros((0,), ms.dtype_to_nptype(dtype)))
+        empty = ms.Tensor(dtype=dtype, shape=[-2]) if key[1] is None else \
+            ms.Tensor(np.full(shape, np.nan, np.float32), dtype=dtype)
+        _PLACEHOLDERS[key] = empty
     return empty
 
 

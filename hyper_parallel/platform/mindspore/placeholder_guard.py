@@ -74,15 +74,21 @@ def trace_closed() -> None:
     _TRACE["open"] = False
 
 
-def check_not_tracing(dtensor: Any) -> None:
+def tracing() -> bool:
+    """Whether ``ms.jit(capture_mode="trace")`` is recording now."""
+    return _TRACE["open"]
+
+
+def check_not_tracing(dtensor: Any, what: Optional[str] = None) -> None:
     """Raise the documented error when an operator reaches a DTensor (``dtensor``: it, or the
     operator's arguments) while ``ms.jit(capture_mode="trace")`` records (a DTensor the argument check
-    could not see), after closing the trace."""
+    could not see), after closing the trace. ``what`` names anything else that refuses the same way
+    (the platform's collectives)."""
     if not _TRACE["open"]:
         return
     _close_trace()
     raise RuntimeError(refusal("ms.jit(capture_mode='trace')",
-                               f"{_describe(dtensor)} was reached while the trace recorded"))
+                               f"{what or _describe(dtensor)} was reached while the trace recorded"))
 
 
 def _close_trace() -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import mint, ops
 
-from hyper_parallel.platform.mindspore import compile_guard, reflected_ops
+from hyper_parallel.platform.mindspore import compile_guard, placeholder_reads, reflected_ops
 from hyper_parallel.platform.mindspore.compile_guard import GRAPH_MODE_MESSAGE, check_pynative
 from hyper_parallel.platform.mindspore.fully_shard_support import MindSporeFullyShardSupport
 
@@ -56,6 +56,7 @@ class MindSporeTrainingSupport(MindSporeFullyShardSupport):   # fully_shard's me
         super().__init__()
         compile_guard.install()
         reflected_ops.install()
+        placeholder_reads.install()
 
     @staticmethod
     def check_execution_mode(who: Any) -> None:
