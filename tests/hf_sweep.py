@@ -23,129 +23,18 @@ import argparse
 import copy
 import sys
 
+from tests.hf_tiny import ROPE_TYPES, VOCAB, WINDOW, rope_types, tiny  # noqa: F401 (this module's API)
+
 B, S = 2, 16
-VOCAB = 128
-WINDOW = 5
 MODES = {"ulysses": {}, "allgather": {"ulysses_degree": 1},
          "allgather-lb": {"ulysses_degree": 1, "load_balance": True},
          "ring": {"ulysses_degree": 1, "kv_exchange": "ring"},
          "zigzag": {"ulysses_degree": 1, "kv_exchange": "ring", "load_balance": True}}
-ROPE_TYPES = {"default": {}, "linear": {"factor": 2.0}, "dynamic": {"factor": 2.0},
-              "yarn": {"factor": 2.0, "original_max_position_embeddings": 8},
-              "longrope": None,   # per-dim factors: built in _rope
-              "llama3": {"factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8}}
-
-_SIZES = [
-    (("hidden_size", "d_model", "n_embd", "hidden_dim", "dim", "embed_dim", "model_dim", "d_embed",
-      "word_embed_proj_dim", "embedding_size"), 32),
-    (("intermediate_size", "ffn_dim", "d_ff", "n_inner", "decoder_ffn_dim", "encoder_ffn_dim",
-      "ffn_hidden_size",
-      "inner_hidden_size", "hidden_ff_size"), 64),
-    (("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 16),
-    (("num_hidden_layers", "n_layer", "num_layers", "decoder_layers", "encoder_layers", "n_layers"), 2),
-    (("num_attention_heads", "n_head", "num_heads", "decoder_attention_heads", "encoder_attention_heads",
-      "n_heads"), 4),
-    (("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"), 2),
-    (("head_dim", "kv_channels", "attention_head_dim"), 8),
-    (("vocab_size",), VOCAB),
-    (("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length"), 256),
-    (("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"), 4),
-    (("num_experts_per_tok", "moe_top_k", "num_experts_per_token", "top_k"), 2),
-    (("sliding_window", "attention_chunk_size", "window_size", "local_window_size"), WINDOW),
-    # multi-head latent attention (DeepSeek-V2/V3 style)
-    (("kv_lora_rank", "q_lora_rank"), 16),
-    (("qk_rope_head_dim",), 4),
-    (("qk_nope_head_dim", "v_head_dim"), 8),
-]
-_ZERO = ("dropout", "dropout_rate", "attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop",
-         "embd_pdrop", "hidden_dropout_prob", "attention_probs_dropout_prob", "activation_dropout",
-         "classifier_dropout", "layerdrop", "decoder_layerdrop", "encoder_layerdrop",
-         "attention_dropout_prob")
 
 
 def causal_lm_types():
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-
-
-_FLAGS = {"use_sliding_window": True, "max_window_layers": 1, "floor_scale": 4, "no_rope_layer_interval": 2,
-          "attn_temperature_tuning": True}
-
-
-def _overrides(defaults):
-    """Keyword arguments that shrink a config whose defaults are ``defaults`` (a dict)."""
-    out = {}
-    for names, size in _SIZES:
-        for name in names:
-            if isinstance(defaults.get(name), int) and not isinstance(defaults.get(name), bool):
-                out[name] = size
-    out.update((n, WINDOW) for n in ("sliding_window", "attention_chunk_size") if n in defaults)
-    special = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
-               "cls_token_id", "mask_token_id", "unk_token_id")
-    out.update((n, i % 16) for i, n in enumerate(special)
-               if isinstance(defaults.get(n), int) and defaults[n] >= VOCAB)
-    out.update((n, 0.0) for n, v in defaults.items()   # every dropout: the two runs must not draw
-               if isinstance(v, float) and (n in _ZERO or "dropout" in n or "pdrop" in n))
-    out.update((n, v) for n, v in _FLAGS.items() if n in defaults and type(defaults[n]) is type(v))
-    if "qk_rope_head_dim" in out and "head_dim" in out:   # MLA: head_dim is the rope part
-        out["head_dim"] = out["qk_rope_head_dim"]
-    if isinstance(defaults.get("initializer_range"), float):
-        out["initializer_range"] = 0.2
-    kinds = list(dict.fromkeys(defaults.get("layer_types") or []))
-    if len(kinds) > 1:   # one layer of each kind (full, sliding, chunked, linear ...)
-        out["layer_types"] = kinds
-        for name in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
-            if name in out:
-                out[name] = len(kinds)
-    return out
-
-
-def _build(config_class, text_key=None):
-    defaults = config_class().to_dict()
-    if text_key is None:
-        return config_class(**_overrides(defaults))
-    text = defaults[text_key]
-    return config_class(**dict(_overrides(defaults), **{text_key: dict(text, **_overrides(text))}))
-
-
-def _rope(config, rope_type):
-    params = getattr(config, "rope_parameters", None)
-    if rope_type == "default":
-        return config
-    if not isinstance(params, dict) or "rope_type" not in params:
-        return None
-    extra = ROPE_TYPES[rope_type]
-    if extra is None:   # longrope: a factor per rotary frequency, the long ones past the original length
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        dim = int(params.get("partial_rotary_factor", 1.0) * head_dim)
-        extra = {"short_factor": [1.0] * (dim // 2), "long_factor": [2.0 + i for i in range(dim // 2)],
-                 "original_max_position_embeddings": 8}
-    config.rope_parameters = dict(params, rope_type=rope_type, **extra)
-    return config
-
-
-def tiny(model_type, rope_type="default"):
-    """(config, model class) of a tiny random ``model_type``; raises when the config does not build."""
-    import transformers
-    from transformers import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    config_class = CONFIG_MAPPING[model_type]
-    defaults = config_class()
-    nested = defaults.to_dict()
-    text_key = next((k for k in ("text_config", "decoder") if isinstance(nested.get(k), dict)), None)
-    config = _build(config_class, text_key)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if _rope(text, rope_type) is None:
-        return None, None
-    return config, getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
-
-
-def rope_types(model_type):
-    config, _ = tiny(model_type)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    params = getattr(text, "rope_parameters", None)
-    return list(ROPE_TYPES) if isinstance(params, dict) and "rope_type" in params else ["default"]
 
 
 def _wide(logits):
