@@ -161,12 +161,13 @@ def _padded(rank, world_size, family, overrides, kwargs, packed=False):
     positions = torch.cat([torch.arange(7), torch.arange(S - 7)]).expand(B, S)
     inputs = {"position_ids": positions} if packed else {"attention_mask": mask}
     reference = tiny(family, **overrides)
-    # use_cache=False: transformers separates packed documents only without a cache (CP never has one)
+    # use_cache=False: transformers separates packed documents only without a cache, and so does CP
     (reference(input_ids=ids, use_cache=False, **inputs).logits * mask[..., None]).square().sum().backward()
     model = parallelize_model(tiny(family, **overrides), mesh, **kwargs)
     local_ids, local_mask, local = shard_sequence([ids, mask] + list(inputs.values()), mesh)
     local_inputs = {next(iter(inputs)): local}
-    (model(input_ids=local_ids, **local_inputs).logits * local_mask[..., None]).square().sum().backward()
+    out = model(input_ids=local_ids, use_cache=False, **local_inputs).logits
+    (out * local_mask[..., None]).square().sum().backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         # no gradient: the indexer (no_grad in transformers), an expert no token of a rank chose
         mine = torch.zeros_like(p) if p.grad is None else p.grad

@@ -53,7 +53,7 @@ def _loss(logits, labels, count):
 def _reference(config, batch):
     model = _model(config)
     ids, labels, mask, positions = batch
-    # use_cache=False: transformers separates packed documents only without a cache (the CP path has none)
+    # use_cache=False: transformers separates packed documents only without a cache, and so does CP
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
     loss = _loss(logits, labels, (labels != -100).sum())
     loss.backward()
@@ -75,7 +75,7 @@ def _step(model, batch, cp_mesh):
     ids, labels, mask, positions = batch
     count = (labels != -100).sum()          # the global token count
     ids, labels, mask, positions = shard_sequence([ids, labels, mask, positions], cp_mesh)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
     return _loss(logits, labels, count)
 
 

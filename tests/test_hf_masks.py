@@ -72,7 +72,7 @@ def _check(torch, what, cp_mesh, model, batch, ref):
     ids, labels, mask, positions = batch
     count = (labels != -100).sum()
     local = shard_sequence([ids, labels, mask, positions], cp_mesh)
-    logits = model(input_ids=local[0], attention_mask=local[2], position_ids=local[3]).logits
+    logits = model(input_ids=local[0], attention_mask=local[2], position_ids=local[3], use_cache=False).logits
     loss = _loss(logits, local[1], count)
     loss.backward()
     group = cp_mesh.get_group()
@@ -150,7 +150,7 @@ def _checkpointed(rank, world_size, overlap):
     losses = []
     for ids, labels, mask, positions in batches:
         local = shard_sequence([ids, labels, mask, positions], mesh)
-        logits = model(input_ids=local[0], attention_mask=local[2], position_ids=local[3]).logits
+        logits = model(input_ids=local[0], attention_mask=local[2], position_ids=local[3], use_cache=False).logits
         losses.append(_loss(logits, local[1], (labels != -100).sum()))
     sum(losses).backward()
     for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):

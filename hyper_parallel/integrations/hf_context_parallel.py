@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from hyper_parallel.core.context_parallel import ContextParallel, attention as hp_attention, start_attention
 from hyper_parallel.core.context_parallel.masks.attention_masks import attention_masks
-from hyper_parallel.integrations import hf_mask_probe, hf_positions
+from hyper_parallel.integrations import hf_cp_inputs, hf_mask_probe, hf_positions
 from hyper_parallel.integrations.hf_attention_args import attention_variant, check_attention_kwargs
 from hyper_parallel.integrations.hf_overlap import pipeline_attention_blocks
 from hyper_parallel.integrations.hf_probe_state import kept_state
@@ -95,14 +95,19 @@ class CPAttention:
         # position sources (hf_positions.py), this forward's global positions, the entry's offset
         self.sources, self.context, self.entry_offset = [], None, 0
         self._by_positions = {}   # id(a forward's position_ids) -> (weak ref to them, its masks)
+        # forwards so far (ranks compare it), whether the model's masks separate packed documents
+        self.forwards, self.packs, self.seen_masks = 0, True, None
         self.name = f"hyper_parallel_cp_{next(_names)}"
 
     # ------------------------------------------------------------------ the attention function
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         if self.probing:
+            if self.seen_masks is not None:   # the packing probe (audit)
+                self.seen_masks.append(attention_mask)
             self.learn_mask(module, attention_mask)
             check_attention_kwargs(module, kwargs)
             return _token_local_attention(query, key, value), None
+        query, key, value = _autocast(query, key, value)
         carried = attention_mask.forward_masks if isinstance(attention_mask, hf_mask_probe.MaskSpec) else None
         # the masks the spec carries (a compiled layer's graph inputs), else found by position_ids
         masks = (carried or None) if carried is not None else self.masks_for(kwargs)
@@ -139,7 +144,7 @@ class CPAttention:
                              f"does not reproduce: {why}; train this model without a 'cp' mesh dim")
         self.restrictions[module] = restriction
 
-    def restriction(self, module, attention_mask):
+    def restriction(self, module: torch.nn.Module, attention_mask: Any) -> Any:
         """The restriction the model's mask puts on ``module``'s attention (plain causal without a mask)."""
         if attention_mask is None:
             return hf_mask_probe.CAUSAL
@@ -162,7 +167,7 @@ class CPAttention:
         """This forward's global masks for the MaskSpecs the model builds ({}: none; None: no forward)."""
         return dict(self.masks or {}) if self.in_forward else None
 
-    def masks_for(self, kwargs):
+    def masks_for(self, kwargs: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         """The masks of the forward this attention call belongs to (see the class docstring)."""
         positions = kwargs.get("position_ids")
         filed = self._by_positions.get(id(positions))
@@ -199,7 +204,7 @@ class CPAttention:
         return (query, key, value, scaling, dropout, causal, gqa) + variant
 
     # ------------------------------------------------------------------ once per forward
-    def audit(self):
+    def audit(self) -> None:
         """Refuse the model if a module other than attention mixes the sequence (every rank alike)."""
         self.audit_pending, self.probing = False, True
         model = self.model()
@@ -217,29 +222,59 @@ class CPAttention:
                 hf_positions.install(self.sources, lambda: self.context)
                 hf_positions.refuse_block_differences(model, entry, lambda c: setattr(self, "context", c),
                                                       self.entry_offset, self._block_start)
+                self.packs = self._probe_packing(model, entry)
         finally:
             self.probing = False
+
+    def _probe_packing(self, model: torch.nn.Module, entry: Any) -> bool:
+        """Whether the model's own masks separate packed documents (Llama's do; OPT's, BioGPT's and
+        gpt-oss's do not hand their position_ids to the mask), so that CP does exactly what they do."""
+        if "position_ids" not in entry:
+            return False
+        self.seen_masks = []
+        try:
+            hf_positions.run_packed(model, entry, 7)
+        except Exception:   # the model does not run on packed positions here: documents as before
+            return True
+        finally:
+            seen, self.seen_masks = self.seen_masks, None
+        specs = [m for m in seen if isinstance(m, hf_mask_probe.MaskSpec)]
+        # no mask reached the stand-in (MLA's own attention path reads the masks itself): as before
+        return not specs or any(hf_mask_probe.separates_documents(m, 7) for m in specs)
+
+    def decoder_entered(self, module: torch.nn.Module, args: Any) -> None:
+        """The decoder's pre-hook: the model's forward is running; it must have entered through the
+        wrapped model's call, whose hooks make positions and masks global."""
+        if not (self.in_forward or self.probing or self.disabled):
+            raise ValueError(f"parallelize_model: {type(module).__name__} ran without context parallelism's "
+                             f"per-forward hooks (model.forward(...) or model.model(...) called directly): "
+                             f"positions and masks would be each rank's own; call the model: model(...)")
 
     def _block_start(self, local: int) -> int:   # this rank's first token (hf_block_cache.py)
         return self.context.start if self.context is not None else self.mesh.get_local_rank() * local
 
-    def pre_forward(self, module, args, kwargs):
+    def pre_forward(self, module: torch.nn.Module, args: Any, kwargs: Dict[str, Any]) -> Any:
         if self.probing or self.disabled:   # the audit, or verify=True's run without CP (hf_verify.py)
             return args, kwargs
         if self.audit_pending:
             self.audit()
+        self.forwards += 1
         try:
-            batch, local, positions = self._local_inputs(args, kwargs)
+            hf_cp_inputs.check_attention_kept(module, self.name)
+            batch, local, positions = hf_cp_inputs.local_inputs(self.mesh, args, kwargs)
             problem = None
         except ValueError as error:
             batch = local = 0
             problem = error
-        self._check_ranks_agree(module, batch, local, kwargs, problem)
+        flags = [int(kwargs.get(n) is not None) for n in ("attention_mask", "position_ids")]
+        row = [batch, local, *flags, int(torch.is_grad_enabled()), self.forwards]
+        hf_cp_inputs.check_ranks_agree(self.mesh, module, row, problem)
+        cached = hf_cp_inputs.would_use_cache(module, kwargs)   # before use_cache is turned off below
         accepted = _entry_parameters(module)
         if "use_cache" in accepted:
             kwargs["use_cache"] = False
         given = kwargs.get("position_ids") is not None
-        every = self._gather(positions.expand(batch, -1)).cpu() if given else None
+        every = hf_cp_inputs.gather(self.mesh, positions.expand(batch, -1)).cpu() if given else None
         total = local * self.mesh.size()
         self.context = hf_positions.PositionContext(torch.arange(total)[None] if every is None else every,
                                                     self.mesh.get_local_rank() * local, local, given)
@@ -247,7 +282,8 @@ class CPAttention:
         positions = positions.view(positions.shape) if given else positions + self.entry_offset
         if "position_ids" in accepted:
             kwargs["position_ids"] = positions
-        self.masks = self._global_masks(kwargs.get("attention_mask"), every)
+        mask = kwargs.get("attention_mask")
+        self.masks = hf_cp_inputs.global_masks(self.mesh, mask, every, self.packs, cached)
         counted = hf_positions.padding_dependent(self.sources)
         if counted and not given and self.masks is not None and "padding_mask" in self.masks:
             raise ValueError(f"parallelize_model: {type(module).__name__} counts positions from the padding "
@@ -260,80 +296,23 @@ class CPAttention:
         self.in_forward = True
         return args, kwargs
 
-    def _local_inputs(self, args, kwargs):
-        """This rank's (batch, block length, position ids); ValueError for inputs CP cannot take."""
-        if len(args) > 1:
-            raise ValueError("parallelize_model: under context parallelism call the model with keyword "
-                             "arguments (input_ids=..., attention_mask=..., position_ids=...)")
-        for name in ("past_key_values", "cache"):
-            if kwargs.get(name) is not None:
-                raise ValueError("parallelize_model: KV caches are not supported under context parallelism "
-                                 "(each rank holds a block of the sequence); use the model for training")
-        first = args[0] if args else kwargs.get("input_ids")
-        first = kwargs.get("inputs_embeds") if first is None else first
-        if first is None:
-            raise ValueError("parallelize_model: the model was called without input_ids or inputs_embeds")
-        batch, local = int(first.shape[0]), int(first.shape[1])
-        mask = kwargs.get("attention_mask")
-        if mask is not None and (mask.ndim != 2 or tuple(mask.shape) != (batch, local)):
-            raise ValueError(f"parallelize_model: attention_mask of shape {tuple(mask.shape)} is not "
-                             f"supported under context parallelism; pass the 2-D padding mask's block "
-                             f"({batch}, {local}) from shard_sequence")
-        return batch, local, self._positions(kwargs.get("position_ids"), batch, local)
-
-    def _check_ranks_agree(self, module, batch, local, kwargs, problem):
-        """Every rank learns every rank's batch, block length and whether its inputs were refused, in
-        one fixed-size all-gather, before the gathers whose sizes depend on them: a rank with 63 tokens
-        or another batch size is a ValueError on every rank, not a collective that aborts or hangs."""
-        flags = [kwargs.get(n) is not None for n in ("attention_mask", "position_ids")]
-        device = next(module.parameters()).device
-        row = [batch, local, *(int(f) for f in flags), int(problem is not None)]
-        mine = torch.tensor([row], dtype=torch.int64, device=device)
-        every = get_platform().all_gather(mine, self.mesh.get_group(), dim=0)
-        # a dry run (hyper_parallel.plan) is one rank on fake tensors: agreement is assumed
-        every = [row] * self.mesh.size() if get_platform().is_fake(every) else every.cpu().tolist()
-        if problem is not None:
-            raise problem
-        refused = [r for r, row in enumerate(every) if row[-1]]
-        if refused:
-            raise ValueError(f"parallelize_model: CP rank(s) {refused} refused their inputs (their error "
-                             f"says why); every rank stops before the sequence collectives")
-        if any(row != every[0] for row in every):
-            shapes = {r: f"batch {row[0]}, {row[1]} tokens, attention_mask {bool(row[2])}, position_ids "
-                         f"{bool(row[3])}" for r, row in enumerate(every)}
-            raise ValueError(f"parallelize_model: the CP ranks were called with different inputs: {shapes}; "
-                             f"every rank must pass the same batch and an equal block of the sequence "
-                             f"(shard_sequence splits it)")
-
-    def post_forward(self, module, args, kwargs, output):
+    def post_forward(self, module: torch.nn.Module, args: Any, kwargs: Dict[str, Any], output: Any) -> Any:
+        local = self.context.local if self.context is not None else None
         # recomputations find their masks by position_ids
         self.masks, self.in_forward, self.context = None, False, None
+        if local is not None:
+            hf_cp_inputs.check_sequence_output(module, output, local)
         return output
 
-    def _gather(self, tensor):
-        return get_platform().all_gather(tensor.contiguous(), self.mesh.get_group(), dim=1)
 
-    def _positions(self, positions, batch, local):
-        if positions is None:
-            start = self.mesh.get_local_rank() * local
-            return torch.arange(start, start + local).unsqueeze(0)
-        if positions.ndim != 2 or positions.shape[-1] != local or positions.shape[0] not in (1, batch):
-            raise ValueError(f"parallelize_model: position_ids of shape {tuple(positions.shape)} must be "
-                             f"this rank's block ({batch} or 1, {local}) of the global positions "
-                             f"(shard_sequence)")
-        return positions
-
-    def _global_masks(self, attention_mask, pos):
-        if attention_mask is not None:
-            # on the CPU: the masked kernels decide per tile (skip / full / masked) without a device sync
-            keep = self._gather(attention_mask.to(torch.bool)).cpu()
-            return None if get_platform().is_fake(keep) or bool(keep.all()) else {"padding_mask": keep}
-        if pos is None or get_platform().is_fake(pos):   # no position_ids, or a dry run: one document
-            return None
-        start = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1
-        if not bool(start[:, 1:].any()):
-            return None
-        return {"document_ids": start.cumsum(-1)}
+def _autocast(query, key, value):
+    """q, k, v in autocast's dtype where it is on, as sdpa casts them in one process (rotary embeddings
+    leave q and k in float32 while v is bfloat16); as they are otherwise."""
+    device = query.device.type
+    if not torch.is_autocast_enabled(device):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(device)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
 
 
 def _token_local_attention(query, key, value):
@@ -354,6 +333,15 @@ def _entry_parameters(module):
     except (TypeError, ValueError):
         return frozenset()
     return frozenset(p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+
+def _decoder(model):
+    """The model's decoder (LlamaModel, OPT's decoder) when it is a submodule, else None."""
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError, TypeError):
+        return None
+    return decoder if isinstance(decoder, torch.nn.Module) and decoder is not model else None
 
 
 def _own_config(model):
@@ -394,6 +382,9 @@ def apply_context_parallel(model: Any, state: "CPAttention", cp_kwargs: Dict[str
     # directly, not model.base_model); positions are fixed where the model's sources read them
     model.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
     model.register_forward_hook(state.post_forward, with_kwargs=True)
+    decoder = _decoder(model)
+    if decoder is not None:   # a forward that skipped the hooks above is refused
+        decoder.register_forward_pre_hook(state.decoder_entered)
     model._hp_cp_attention = state
     if cp_kwargs.get("overlap"):   # q/k/v projections overlap the collectives too (hf_overlap.py)
         pipeline_attention_blocks(model, state, cp_kwargs, state.mesh.size())

@@ -164,6 +164,17 @@ def _causal_kind(lows) -> Tuple[Optional[Restriction], str]:
     return None, "a causal mask whose visible keys follow neither a sliding window nor fixed chunks"
 
 
+def separates_documents(spec: Any, first: int) -> bool:
+    """Whether the mask keeps the token at ``first`` (a packed document's first one) from the key before
+    it: transformers' masks separate packed documents where the model hands them its position_ids."""
+    zero = torch.zeros((), dtype=torch.long)
+    try:
+        allowed = spec.mask_function(zero, zero, torch.tensor(first), torch.tensor(first - 1))
+    except Exception:   # a function that takes no scalar indices: assume it does, as before
+        return True
+    return not bool(torch.as_tensor(allowed).all())
+
+
 def with_chunks(masks, chunk: int, batch: int, total: int):
     """``attention_masks`` keywords for chunked attention: a query sees the keys of its own chunk of the
     global token index (counted from the first real token of a left-padded row, as transformers'

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from hyper_parallel.integrations import hf_block_cache
-from hyper_parallel.integrations.hf_sequence_audit import marked_probing
+from hyper_parallel.integrations.hf_sequence_audit import PROBE_LEN, marked_probing
 
 _Key = Tuple[str, Any]   # ("arg", index) or ("kw", name)
 
@@ -80,7 +80,7 @@ class _Calls:
                 self.calls[(name, index)] = (module, offsets, [t.detach().clone() for t in _outputs(output)])
         return hook
 
-    def close(self):
+    def close(self) -> None:
         for handle in self.handles:
             handle.remove()
 
@@ -124,9 +124,6 @@ def find_sources(model: Any, run: Any, ids: Any,
     return [(n,) + sources[n] for n in sorted(names)]
 
 
-PROBE_LEN = 13
-
-
 @contextlib.contextmanager
 def _probing(model):
     """Eval mode (no dropout) and no gradients for the probe runs; the modes restored after."""
@@ -168,6 +165,14 @@ def position_sources(model: Any, entry_parameters: Any) -> Any:
     ids, other, device = _probe_inputs(model)
     with _probing(model):
         return find_sources(model, _runner(model, entry_parameters, device), ids, other)
+
+
+def run_packed(model: Any, entry_parameters: Any, first: int) -> None:
+    """One probe run of two packed documents: position_ids restart at token ``first``."""
+    ids, _, device = _probe_inputs(model)
+    positions = torch.cat([torch.arange(first), torch.arange(PROBE_LEN - first)])[None]
+    with _probing(model):
+        _runner(model, entry_parameters, device)(ids, positions)
 
 
 def refuse_block_differences(model: Any, entry_parameters: Any, set_context: Any, offset: Any,

@@ -6,7 +6,7 @@ the model's masks restrict, at least 16 tokens per rank) runs twice, in eval mod
 
 1. with CP: each rank its block (``shard_sequence``); the output of every decoder layer is gathered over
    the CP ranks;
-2. without CP: every rank the whole sequence, the model switched to transformers' own "sdpa"
+2. without CP: every rank the whole sequence, the model switched to transformers' own "eager"
    attention (masks built by transformers, no position hooks), tensor parallelism and fully_shard
    left as they are.
 
@@ -68,7 +68,7 @@ def probe_length(state: Any, world: int) -> int:
 def _run(model, ids, outputs, handles):
     try:
         with torch.no_grad():
-            model(input_ids=ids)
+            model(input_ids=ids, use_cache=False)   # a cache is refused under CP and not wanted here
     finally:
         for handle in handles:
             handle.remove()
@@ -93,7 +93,7 @@ def verify_context_parallel(model: Any, state: Any) -> None:
         outputs, handles = _record(model, names)
         with_cp = _run(model, shard_sequence(ids, mesh), outputs, handles)
         with_cp = [(n, platform.all_gather(t.contiguous(), mesh.get_group(), dim=1)) for n, t in with_cp]
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation("eager")   # every model takes it (Gemma 2, gpt-oss refuse sdpa)
         state.disabled = True
         try:
             outputs, handles = _record(model, names)
