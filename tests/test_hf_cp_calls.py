@@ -101,3 +101,34 @@ def _verify(rank, world_size, model_type):
 @pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss"])
 def test_verify_runs_on_models_that_refuse_sdpa(model_type):
     assert run_dist(2, _verify, model_type, timeout=300) == [True, True]
+
+
+def _chunked_packed(rank, world_size, mode):
+    """Llama 4's chunked attention over packed documents: transformers chunks each document's positions
+    (its mask is evaluated on them), so a chunk restarts with every document."""
+    import copy
+
+    import torch
+    from hyper_parallel import get_platform, init_device_mesh, shard_sequence
+    from hyper_parallel.integrations.transformers import parallelize_model
+    from tests.hf_sweep import MODES, tiny
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",), timeout=60)
+    config, model_class = tiny("llama4_text")
+    torch.manual_seed(0)
+    reference = model_class(config).float()
+    model = parallelize_model(copy.deepcopy(reference), mesh, **MODES[mode])
+    ids = torch.randint(16, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(3), torch.arange(9), torch.arange(4)])[None].expand(2, 16)
+    ref = reference(input_ids=ids, position_ids=positions, use_cache=False).logits
+    local = model(input_ids=shard_sequence(ids, mesh), position_ids=shard_sequence(positions, mesh),
+                  use_cache=False).logits
+    every = get_platform().all_gather(local.detach().contiguous(), mesh.get_group(), dim=1)
+    torch.testing.assert_close(every, ref.detach(), atol=1e-5, rtol=1e-5)
+    late = positions + 2   # documents starting at position 2: refused, chunks of positions differ
+    return _raises(lambda: model(input_ids=shard_sequence(ids, mesh), position_ids=shard_sequence(late, mesh),
+                                 use_cache=False), "start every packed document's position_ids at 0")
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "zigzag"])
+def test_chunked_attention_restarts_with_each_packed_document(mode):
+    assert run_dist(2, _chunked_packed, mode, timeout=300) == [True, True]

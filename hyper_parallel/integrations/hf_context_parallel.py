@@ -284,6 +284,8 @@ class CPAttention:
             kwargs["position_ids"] = positions
         mask = kwargs.get("attention_mask")
         self.masks = hf_cp_inputs.global_masks(self.mesh, mask, every, self.packs, cached)
+        if self.masks and "document_ids" in self.masks and any(r.chunk for r in self.restrictions.values()):
+            hf_cp_inputs.check_documents_from_zero(every, self.masks["document_ids"])
         counted = hf_positions.padding_dependent(self.sources)
         if counted and not given and self.masks is not None and "padding_mask" in self.masks:
             raise ValueError(f"parallelize_model: {type(module).__name__} counts positions from the padding "

@@ -99,6 +99,17 @@ def global_masks(mesh: Any, attention_mask: Optional[torch.Tensor], positions: O
     return {"document_ids": start.cumsum(-1)}
 
 
+def check_documents_from_zero(positions: torch.Tensor, documents: torch.Tensor) -> None:
+    """Chunked attention over packed documents counts chunks from each document's first token, which is
+    what transformers does (it chunks positions) when every document's positions start at 0."""
+    first = torch.cat([torch.ones_like(documents[:, :1], dtype=torch.bool),
+                       documents[:, 1:] != documents[:, :-1]], 1)
+    if bool((positions.expand_as(documents)[first] != 0).any()):
+        raise ValueError("parallelize_model: packed position_ids whose documents do not start at position 0, "
+                         "with chunked attention (Llama 4): chunks of positions are not chunks of the "
+                         "document's tokens; start every packed document's position_ids at 0")
+
+
 def gather(mesh: Any, tensor: torch.Tensor) -> torch.Tensor:
     """The blocks of every CP rank along the sequence (dim 1)."""
     return get_platform().all_gather(tensor.contiguous(), mesh.get_group(), dim=1)

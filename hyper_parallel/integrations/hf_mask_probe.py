@@ -178,15 +178,21 @@ def separates_documents(spec: Any, first: int) -> bool:
 def with_chunks(masks, chunk: int, batch: int, total: int):
     """``attention_masks`` keywords for chunked attention: a query sees the keys of its own chunk of the
     global token index (counted from the first real token of a left-padded row, as transformers'
-    ``chunked_overlay``), intersected with the documents and padding already there."""
+    ``chunked_overlay``; of packed documents, from each document's first token, as transformers evaluates
+    the mask on their positions), intersected with the documents and padding already there."""
     masks = dict(masks or {})
     index = torch.arange(total).expand(batch, total)
     padding = masks.get("padding_mask")
     if padding is not None:
         index = index - (padding.long().cumsum(-1) == 0).sum(-1, keepdim=True)
-    ids = torch.div(index, chunk, rounding_mode="floor") + total + 1   # >= 0 (left padding counts down)
     documents = masks.get("document_ids")
+    if documents is not None:   # packed: transformers chunks each document's positions (from 0, checked)
+        documents = documents.long().expand(batch, total)
+        first = torch.cat([torch.ones(batch, 1, dtype=torch.bool), documents[:, 1:] != documents[:, :-1]], 1)
+        starts = torch.where(first, index, torch.zeros_like(index)).cummax(-1).values
+        index = index - starts
+    ids = torch.div(index, chunk, rounding_mode="floor") + total + 1   # >= 0 (left padding counts down)
     if documents is not None:
-        ids = documents.long() * (2 * total + 2) + ids
+        ids = documents * (2 * total + 2) + ids
     masks["document_ids"] = ids
     return masks
