@@ -113,7 +113,7 @@ def test_verify_names_the_first_layer_that_differs():
     assert run_dist(2, _verify) == [True, True]
 
 
-def _block_cache(rank, world_size, mode):
+def _block_cache(rank, world_size, mode, floor_scale=4):
     """Llama 4's NoPE layers scale queries by a temperature of positions counted from the KV cache's past
     length: each rank is handed its block's start (hf_block_cache.py), also when activation checkpointing
     recomputes the layer in backward, outside the forward."""
@@ -127,6 +127,9 @@ def _block_cache(rank, world_size, mode):
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",), timeout=60)
     config, model_class = tiny("llama4_text")
     assert config.attn_temperature_tuning and config.no_rope_layers.count(0) >= 1
+    # 32: the temperature steps first at position 31, past the setup probe's 26 tokens, so the probe
+    # sees no difference; it finds the module by its reading the cache's length (64 tokens here)
+    config.floor_scale = floor_scale
     torch.manual_seed(0)
     reference = model_class(config).float()
     model = copy.deepcopy(reference)
@@ -134,12 +137,15 @@ def _block_cache(rank, world_size, mode):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         m.train()
     ids, labels = _batch(int(config.vocab_size))
+    if floor_scale > 4:
+        ids = ids.repeat(1, 4)
+        labels = torch.cat([ids[:, 1:], torch.full((ids.shape[0], 1), -100)], 1)
     ref_logits, ref_grads = _reference(reference, ids, labels)
     parallelize_model(model, mesh, **MODES[mode])
     logits, grads = _under_cp(model, ids, labels, mesh)
     return _difference(logits, grads, ref_logits, ref_grads)
 
 
-@pytest.mark.parametrize("mode", ["ulysses", "zigzag"])
-def test_attention_temperature_counts_from_the_block_start(mode):
-    assert run_dist(2, _block_cache, mode, timeout=300) == ["", ""]
+@pytest.mark.parametrize("mode,floor_scale", [("ulysses", 4), ("zigzag", 4), ("ulysses", 32)])
+def test_attention_temperature_counts_from_the_block_start(mode, floor_scale):
+    assert run_dist(2, _block_cache, mode, floor_scale, timeout=300) == ["", ""]

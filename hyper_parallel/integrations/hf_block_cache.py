@@ -20,10 +20,12 @@ _CACHE_ARGS = ("cache", "past_key_values")
 class BlockCache:
     """A KV cache that holds the ``start`` tokens before this rank's block and stores nothing."""
 
-    def __init__(self, start: int) -> None:
-        self.start = int(start)
+    def __init__(self, start: int, on_read: Optional[Callable[[], None]] = None) -> None:
+        self.start, self.on_read = int(start), on_read
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        if self.on_read is not None:
+            self.on_read()
         return self.start
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
@@ -48,7 +50,7 @@ class BlockCacheHook:
     rank's index times the block length, which is the same number."""
 
     def __init__(self, module: torch.nn.Module, argument: str, start_of: Callable[[int], int]) -> None:
-        self.argument, self.start_of = argument, start_of
+        self.argument, self.start_of, self.read = argument, start_of, False
         self.handle = module.register_forward_pre_hook(self.pre, with_kwargs=True)
 
     def pre(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
@@ -57,10 +59,28 @@ class BlockCacheHook:
         hidden = args[0] if args else kwargs.get("hidden_states")
         if not torch.is_tensor(hidden) or hidden.ndim < 2:
             return None
-        return args, dict(kwargs, **{self.argument: BlockCache(self.start_of(int(hidden.shape[1])))})
+        cache = BlockCache(self.start_of(int(hidden.shape[1])), lambda: setattr(self, "read", True))
+        return args, dict(kwargs, **{self.argument: cache})
 
     def remove(self) -> None:
         self.handle.remove()
+
+
+def readers(model: torch.nn.Module, run: Callable[[], None], start_of: Callable[[int], int]) -> List[str]:
+    """The innermost modules taking a KV cache that read its length during ``run()`` (each handed a
+    BlockCache): they count positions from it, at any offset, whether or not the probe's short sequence
+    shows it (Llama 4's temperature changes only every ``floor_scale`` = 8192 tokens)."""
+    named = [(n, m, a) for n, m in model.named_modules() if n and (a := cache_argument(m)) is not None]
+    inner = [(n, m, a) for n, m, a in named if not any(o.startswith(n + ".") for o, _, _ in named)]
+    hooks = [(n, BlockCacheHook(m, a, start_of)) for n, m, a in inner]
+    try:
+        run()
+    except Exception:   # a module that reads more of a cache than its length: none is offered one
+        return []
+    finally:
+        for _, hook in hooks:
+            hook.remove()
+    return [n for n, hook in hooks if hook.read]
 
 
 def offer(model: torch.nn.Module, names: List[str], start_of: Callable[[int], int]) -> List[BlockCacheHook]:
@@ -76,3 +96,23 @@ def offer(model: torch.nn.Module, names: List[str], start_of: Callable[[int], in
             return []
         targets[target] = argument
     return [BlockCacheHook(modules[t], argument, start_of) for t, argument in targets.items()]
+
+
+def remedy(model: torch.nn.Module, found: List[str], probe: Callable[[], List[str]], run: Callable[[], None],
+           start_of: Callable[[int], int]) -> Tuple[List[BlockCacheHook], List[str]]:
+    """(hooks to keep, differences left): BlockCaches for the modules whose later block differs
+    (``found``, "name (Class)") and for every reader of a cache's length, kept when ``probe()`` (the
+    block comparison) then finds no difference; none kept otherwise."""
+    targets = [f.split(" (")[0] for f in found] + readers(model, run, start_of)
+    hooks = offer(model, targets, start_of) if targets else []
+    if not hooks:
+        return [], found
+    try:
+        remaining = probe()
+    except Exception:   # the model reads more of a cache than its length: not this remedy
+        remaining = None
+    if remaining == []:
+        return hooks, []
+    for hook in hooks:
+        hook.remove()
+    return [], found or remaining or []

@@ -99,9 +99,11 @@ def global_masks(mesh: Any, attention_mask: Optional[torch.Tensor], positions: O
     return {"document_ids": start.cumsum(-1)}
 
 
-def check_documents_from_zero(positions: torch.Tensor, documents: torch.Tensor) -> None:
+def check_documents_from_zero(positions: Optional[torch.Tensor], documents: torch.Tensor) -> None:
     """Chunked attention over packed documents counts chunks from each document's first token, which is
     what transformers does (it chunks positions) when every document's positions start at 0."""
+    if positions is None:
+        return
     first = torch.cat([torch.ones_like(documents[:, :1], dtype=torch.bool),
                        documents[:, 1:] != documents[:, :-1]], 1)
     if bool((positions.expand_as(documents)[first] != 0).any()):

@@ -185,19 +185,9 @@ def refuse_block_differences(model: Any, entry_parameters: Any, set_context: Any
     run = _runner(model, entry_parameters, device, offset)
     tokens = torch.cat([ids, other], 1)
     with _probing(model):
-        found = block_differences(model, run, tokens, set_context)
-        hooks = hf_block_cache.offer(model, [f.split(" (")[0] for f in found], start_of) if found else []
-        if hooks:
-            try:
-                remaining = block_differences(model, run, tokens, set_context)
-            except Exception:   # the model reads more of a cache than its length: not this remedy
-                remaining = found
-            if remaining:
-                for hook in hooks:
-                    hook.remove()
-                hooks = []
-            else:
-                found = []
+        def probe() -> List[str]:
+            return block_differences(model, run, tokens, set_context)
+        hooks, found = hf_block_cache.remedy(model, probe(), probe, lambda: run(tokens, None), start_of)
     if found:
         raise ValueError(f"parallelize_model: {type(model).__name__} computes something different on a later "
                          f"block of the sequence than on the whole sequence, with global positions handed to "
