@@ -94,3 +94,35 @@ def test_loss_option_is_checked():
     from hyper_parallel.integrations.hf_chunked_loss import check_loss_option
     with pytest.raises(ValueError, match="loss='fused'"):
         check_loss_option("fused")
+
+
+def test_chunked_loss_reads_the_head_at_each_call():
+    """An LM head replaced after wrapping (resize_token_embeddings, a new lm_head) is the one the
+    chunked loss uses: its loss equals the model's own and the new head gets the gradient."""
+    import torch
+    from hyper_parallel.integrations.hf_chunked_loss import apply_chunked_loss
+    from tests.hf_zoo import tiny
+    ids, labels = _batch()
+    model, reference = tiny("llama"), tiny("llama")
+    apply_chunked_loss(model, context_parallel=False)
+    for m in (model, reference):
+        torch.manual_seed(5)
+        m.lm_head = torch.nn.Linear(m.lm_head.in_features, m.lm_head.out_features, bias=False)
+    ref = reference(input_ids=ids, labels=labels).loss
+    ref.backward()
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    torch.testing.assert_close(loss, ref, **TOL)
+    torch.testing.assert_close(model.lm_head.weight.grad, reference.lm_head.weight.grad, **TOL)
+
+
+def test_chunked_loss_refuses_a_soft_cap_its_probe_cannot_see():
+    """Gemma 2's default final soft-cap (30) hardly changes a fresh model's small logits; it is refused by
+    name, not only when it shows."""
+    import transformers
+    from hyper_parallel.integrations.hf_chunked_loss import probe_logits
+    config = transformers.Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64)
+    assert config.final_logit_softcapping == 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
+        probe_logits(transformers.Gemma2ForCausalLM(config))

@@ -49,9 +49,10 @@ def _check_model(model):
 
 
 def _check_config(model):
-    """On the meta device (nothing to run): the config fields known to scale logits."""
+    """The config fields known to scale logits (alone on the meta device, where nothing runs)."""
     name = type(model).__name__
     config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier",
                  "output_multiplier_scale", "logit_multiplier"):
         if getattr(config, attr, None) not in (None, 1, 1.0):
@@ -67,8 +68,9 @@ def probe_logits(model: Any) -> None:
     device has no values to run: the config check of ``_check_model`` alone applies to it."""
     import torch
     head, decoder = _check_model(model)
+    # by name too: a soft-cap of 30 barely shows on a fresh model's small logits, and bites once they grow
+    _check_config(model)
     if any(p.is_meta for p in model.parameters()):
-        _check_config(model)
         return
     captured = []
     handle = decoder.register_forward_hook(lambda m, a, out: captured.append(
@@ -95,8 +97,9 @@ def probe_logits(model: Any) -> None:
 
 
 def apply_chunked_loss(model: Any, context_parallel: Any, chunk_size: Any = DEFAULT_CHUNK) -> Any:
-    """Route ``model``'s forward through the chunked loss when it is given labels."""
-    head, decoder = _check_model(model)
+    """Route ``model``'s forward through the chunked loss when it is given labels. The head and the
+    decoder are looked up at each call: resize_token_embeddings or a new lm_head after wrapping count."""
+    _check_model(model)
 
     def make_wrapper(original):
         signature = inspect.signature(original)
@@ -108,6 +111,7 @@ def apply_chunked_loss(model: Any, context_parallel: Any, chunk_size: Any = DEFA
                 arguments.update(arguments.pop(name, {}))
             if arguments.get("labels") is None and arguments.get("shift_labels") is None:
                 return original(*args, **kwargs)
+            head, decoder = _check_model(model)
             return _loss_forward(model, head, decoder, arguments, context_parallel, chunk_size)
         return forward
     get_platform().replace_forward(model, make_wrapper)
