@@ -35,7 +35,9 @@ def _refusals(rank, world_size):
     model = _parallel("llama", mesh)
     out = {"forward": _raises(lambda: model.forward(input_ids=ids), "called directly"),
            "model.model": _raises(lambda: model.model(input_ids=ids), "called directly"),
-           "logits_to_keep": _raises(lambda: model(input_ids=ids, logits_to_keep=1), "logits_to_keep=1")}
+           "logits_to_keep": _raises(lambda: model(input_ids=ids, logits_to_keep=1), "logits_to_keep=1"),
+           "labels": _raises(lambda: model(input_ids=ids, labels=ids), "pass it as shift_labels="),
+           "no count": _raises(lambda: model(input_ids=ids, shift_labels=ids), "num_items_in_batch=")}
     packed = shard_sequence(torch.cat([torch.arange(7), torch.arange(9)])[None].expand(2, 16), mesh)
     out["packed with a cache"] = _raises(lambda: model(input_ids=ids, position_ids=packed, use_cache=True),
                                          "pass use_cache=False")

@@ -28,6 +28,7 @@ def local_inputs(mesh: Any, args: Any, kwargs: Dict[str, Any]) -> Tuple[int, int
         raise ValueError(f"parallelize_model: logits_to_keep={keep!r} under context parallelism would keep "
                          f"each rank's own last tokens, not the sequence's; leave it 0 (all logits) and "
                          f"select after gathering")
+    _check_labels(kwargs)
     first = args[0] if args else kwargs.get("input_ids")
     first = kwargs.get("inputs_embeds") if first is None else first
     if first is None:
@@ -39,6 +40,20 @@ def local_inputs(mesh: Any, args: Any, kwargs: Dict[str, Any]) -> Tuple[int, int
                          f"supported under context parallelism; pass the 2-D padding mask's block "
                          f"({batch}, {local}) from shard_sequence")
     return batch, local, _positions(mesh, kwargs.get("position_ids"), batch, local)
+
+
+def _check_labels(kwargs: Dict[str, Any]) -> None:
+    """The model's own loss under CP: labels shifted on the whole sequence (the next token of a rank's
+    last one is on the next rank) and the global count of labelled tokens (each rank's mean would
+    weigh the ranks' blocks equally)."""
+    if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
+        raise ValueError("parallelize_model: labels= under context parallelism would be shifted on each "
+                         "rank's block (the next token of a rank's last token is on the next rank); shift "
+                         "on the whole sequence, shard_sequence the result and pass it as shift_labels=")
+    if kwargs.get("shift_labels") is not None and kwargs.get("num_items_in_batch") is None:
+        raise ValueError("parallelize_model: shift_labels= under context parallelism needs "
+                         "num_items_in_batch= (the global count of labels != -100), so that the ranks' "
+                         "losses add up to the global mean instead of averaging per-rank means")
 
 
 def _positions(mesh: Any, positions: Optional[torch.Tensor], batch: int, local: int) -> torch.Tensor:
