@@ -32,17 +32,17 @@ _KV_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_g
 _EXPERTS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 _TOP_K = ("num_experts_per_tok", "moe_top_k", "num_experts_per_token", "top_k", "moe_k")
 _MLA = ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank", "head_dim",
-        "qk_head_dim")
+        "qk_head_dim", "o_lora_rank")
 _LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "decoder_layers", "encoder_layers", "n_layers",
            "num_blocks")
 _SIZES = [
     (_HIDDEN, HIDDEN),
     (("intermediate_size", "ffn_dim", "d_ff", "n_inner", "decoder_ffn_dim", "encoder_ffn_dim",
       "ffn_hidden_size", "intermediate_size_mlp", "inner_hidden_size", "hidden_ff_size", "feed_forward_size",
-      "mlp_only_intermediate_size", "pronunciation_embed_dim", "shape_embed_dim"),
+      "mlp_only_intermediate_size", "pronunciation_embed_dim", "shape_embed_dim", "dff", "dim_ff"),
      64),
     (("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
-      "shared_intermediate_size", "router_hidden_size", "hc_lowrank"), 16),
+      "shared_intermediate_size", "router_hidden_size", "hc_lowrank", "expert_ffn_hidden_size"), 16),
     (_HEADS, HEADS),
     (("head_dim", "kv_channels", "attention_head_dim", "attention_head_size", "swa_head_dim",
       "linear_key_head_dim", "linear_value_head_dim", "linear_head_dim", "mamba_d_head", "index_head_dim",
@@ -325,7 +325,10 @@ def _rope(config: object, rope_type: str) -> object:
         return None
     extra = ROPE_TYPES[rope_type]
     if extra is None:   # longrope: a factor per rotary frequency, the long ones past the original length
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or (
+            getattr(config, "hidden_size", 0) // getattr(config, "num_attention_heads", 1))
+        if not head_dim:   # (BLT's top config: its sizes live in its sub-configs)
+            return None
         dim = int(params.get("partial_rotary_factor", 1.0) * head_dim)
         extra = {"short_factor": [1.0] * (dim // 2), "long_factor": [2.0 + i for i in range(dim // 2)],
                  "original_max_position_embeddings": 8}
