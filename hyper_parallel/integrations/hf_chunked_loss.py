@@ -101,11 +101,11 @@ def apply_chunked_loss(model: Any, context_parallel: Any, chunk_size: Any = DEFA
     decoder are looked up at each call: resize_token_embeddings or a new lm_head after wrapping count."""
     _check_model(model)
 
-    def make_wrapper(original):
+    def make_wrapper(original: Any) -> Any:
         signature = inspect.signature(original)
         var_keyword = [p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD]
 
-        def forward(*args, **kwargs):
+        def forward(*args: Any, **kwargs: Any) -> Any:
             arguments = dict(signature.bind_partial(*args, **kwargs).arguments)
             for name in var_keyword:      # the forward's **kwargs, flattened into the other arguments
                 arguments.update(arguments.pop(name, {}))

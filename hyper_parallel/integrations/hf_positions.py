@@ -71,7 +71,7 @@ class _Calls:
                 self.handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
 
     def _hook(self, name):
-        def hook(module, args, kwargs, output):
+        def hook(module: Any, args: Any, kwargs: Any, output: Any) -> None:
             index = self.counts.get(name, 0)
             self.counts[name] = index + 1
             offsets = {key: k for key, t in _int_inputs(args, kwargs).items()
@@ -150,7 +150,7 @@ def _probe_inputs(model):
 
 
 def _runner(model, entry_parameters, device, offset=0):
-    def run(token_ids, positions, mask=None):
+    def run(token_ids: Any, positions: Any, mask: Any = None) -> None:
         kwargs = {"input_ids": token_ids, "use_cache": False}
         if positions is not None and "position_ids" in entry_parameters:
             kwargs["position_ids"] = positions.to(device) + offset
@@ -335,7 +335,7 @@ class _Outputs:
                         for n, m in model.named_modules() if m is not model]
 
     def _hook(self, name):
-        def hook(module, args, kwargs, output):
+        def hook(module: Any, args: Any, kwargs: Any, output: Any) -> None:
             index = self.counts.get(name, 0)
             self.counts[name] = index + 1
             seen = [t.detach().clone() for t in _outputs([args, kwargs])]
@@ -343,7 +343,7 @@ class _Outputs:
             self.calls[(name, index)] = (type(module).__name__, seen, made)
         return hook
 
-    def close(self):
+    def close(self) -> None:
         for handle in self.handles:
             handle.remove()
 
