@@ -43,6 +43,11 @@ def _refusals(rank, world_size):
                                          "pass use_cache=False")
     with torch.no_grad() if rank == 1 else torch.enable_grad():
         out["grad mode"] = _raises(lambda: model(input_ids=ids), "grad mode")
+    rotary = model.model.rotary_emb
+    model.model.rotary_emb = type(rotary)(model.config)   # a new rotary module: no global positions
+    out["rotary replaced"] = _raises(lambda: model(input_ids=ids), "was replaced after parallelize_model")
+    model.model.rotary_emb = rotary
+    model(input_ids=ids)   # back: runs
     model.set_attn_implementation("sdpa")
     out["sdpa after wrapping"] = _raises(lambda: model(input_ids=ids), "set after parallelize_model")
     return out

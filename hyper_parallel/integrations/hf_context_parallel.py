@@ -97,6 +97,7 @@ class CPAttention:
         self._by_positions = {}   # id(a forward's position_ids) -> (weak ref to them, its masks)
         # forwards so far (ranks compare it), whether the model's masks separate packed documents
         self.forwards, self.packs, self.seen_masks = 0, True, None
+        self.source_hooks, self.source_calls = [], []   # hf_positions.SourceHook, their calls so far
         self.name = f"hyper_parallel_cp_{next(_names)}"
 
     # ------------------------------------------------------------------ the attention function
@@ -219,7 +220,7 @@ class CPAttention:
                 entry = _entry_parameters(model)
                 self.sources = hf_positions.position_sources(model, entry)
                 self.entry_offset = hf_positions.entry_offset(self.sources)
-                hf_positions.install(self.sources, lambda: self.context)
+                self.source_hooks = hf_positions.install(self.sources, lambda: self.context)
                 hf_positions.refuse_block_differences(model, entry, lambda c: setattr(self, "context", c),
                                                       self.entry_offset, self._block_start)
                 self.packs = self._probe_packing(model, entry)
@@ -296,6 +297,7 @@ class CPAttention:
         self._by_positions[key] = (weakref.ref(positions), self.masks)
         weakref.finalize(positions, self._by_positions.pop, key, None)   # gone with the forward's graph
         self.in_forward = True
+        self.source_calls = [hook.calls for hook in self.source_hooks]
         return args, kwargs
 
     def post_forward(self, module: torch.nn.Module, args: Any, kwargs: Dict[str, Any], output: Any) -> Any:
@@ -304,6 +306,7 @@ class CPAttention:
         self.masks, self.in_forward, self.context = None, False, None
         if local is not None:
             hf_cp_inputs.check_sequence_output(module, output, local)
+            hf_cp_inputs.check_sources_kept(module, self.source_hooks, self.source_calls)
         return output
 
 

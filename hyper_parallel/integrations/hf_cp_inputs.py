@@ -7,7 +7,7 @@ blocks (``global_masks``). Calls that would compute something else than the mode
 raise a ValueError on every rank: a pooled output (no sequence dim) or ``logits_to_keep``, the model's
 attention implementation switched away after wrapping, ranks in different forwards or grad modes.
 """
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -165,3 +165,16 @@ def would_use_cache(model: Any, kwargs: Dict[str, Any]) -> bool:
     if use and model.training and torch.is_grad_enabled() and checkpointing:
         return False
     return bool(use)
+
+
+def check_sources_kept(model: Any, hooks: List[Any], calls_before: List[int]) -> None:
+    """ValueError when a position source found at setup did not run in this forward because it is no
+    longer in the model (a rotary embedding replaced after parallelize_model would see local positions)."""
+    kept = None
+    for hook, before in zip(hooks, calls_before):
+        if hook.calls == before:
+            kept = {id(m) for m in model.modules()} if kept is None else kept
+            if id(hook.module()) not in kept:
+                raise ValueError(f"parallelize_model: {hook.name} ({hook.cls}), where {type(model).__name__} "
+                                 f"reads positions, was replaced after parallelize_model: the new module "
+                                 f"would see each rank's own positions; replace it before parallelize_model")

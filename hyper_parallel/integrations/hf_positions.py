@@ -22,6 +22,7 @@ positions are neither the model's local default nor the entry's global ones (pos
 padding or token contents inside the model) is a ValueError naming it: pass ``position_ids``.
 """
 import contextlib
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -229,7 +230,7 @@ class SourceHook:
                  context_of: Any) -> None:
         self.name, self.key, self.context_of = name, key, context_of
         self.offset, self.offset_given = offset, offset_given
-        self.cls = type(module).__name__
+        self.cls, self.module, self.calls = type(module).__name__, weakref.ref(module), 0
         self.pending: List[Optional[Tuple[int, int, int, int]]] = []
         self.handles = [module.register_forward_pre_hook(self.pre, with_kwargs=True),
                         module.register_forward_hook(self.post)]
@@ -255,6 +256,7 @@ class SourceHook:
                          f"of the global ones, shard_sequence)")
 
     def pre(self, module: Any, args: Any, kwargs: Any) -> Any:
+        self.calls += 1
         context = self.context_of()
         received = _fetch(args, kwargs, self.key)
         if context is None or not torch.is_tensor(received) or received.shape[-1] != context.local:
