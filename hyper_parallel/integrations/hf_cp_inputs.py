@@ -73,10 +73,11 @@ def check_ranks_agree(mesh: Any, module: torch.nn.Module, row: list, problem: Op
     depend on them: a rank with 63 tokens, another batch size, an extra forward or another grad mode is a
     ValueError on every rank, not a collective that aborts, hangs or pairs two different forwards."""
     device = next(module.parameters()).device
-    mine = torch.tensor([row + [int(problem is not None)]], dtype=torch.int64, device=device)
+    row = row + [int(problem is not None)]
+    mine = torch.tensor([row], dtype=torch.int64, device=device)
     every = get_platform().all_gather(mine, mesh.get_group(), dim=0)
     # a dry run (hyper_parallel.plan) is one rank on fake tensors: agreement is assumed
-    every = [mine[0].tolist()] * mesh.size() if get_platform().is_fake(every) else every.cpu().tolist()
+    every = [row] * mesh.size() if get_platform().is_fake(every) else every.cpu().tolist()
     if problem is not None:
         raise problem
     refused = [r for r, seen in enumerate(every) if seen[-1]]
@@ -161,7 +162,10 @@ def would_use_cache(model: Any, kwargs: Dict[str, Any]) -> bool:
     if use is None:
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         use = getattr(config, "use_cache", False)
-    checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    # transformers 5.x renamed is_gradient_checkpointing (deprecated, warns) to is_activation_checkpointing
+    checkpointing = getattr(model, "is_activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
     if use and model.training and torch.is_grad_enabled() and checkpointing:
         return False
     return bool(use)
