@@ -270,7 +270,10 @@ class CPAttention:
         flags = [int(kwargs.get(n) is not None) for n in ("attention_mask", "position_ids")]
         row = [batch, local, *flags, int(torch.is_grad_enabled()), self.forwards]
         hf_cp_inputs.check_ranks_agree(self.mesh, module, row, problem)
-        cached = hf_cp_inputs.would_use_cache(module, kwargs)   # before use_cache is turned off below
+        asked = {"use_cache": kwargs.get("use_cache")}   # before use_cache is turned off below
+
+        def cached() -> bool:   # asked only for packed documents (it may walk the model's modules)
+            return hf_cp_inputs.would_use_cache(module, asked)
         accepted = _entry_parameters(module)
         if "use_cache" in accepted:
             kwargs["use_cache"] = False

@@ -7,7 +7,7 @@ blocks (``global_masks``). Calls that would compute something else than the mode
 raise a ValueError on every rank: a pooled output (no sequence dim) or ``logits_to_keep``, the model's
 attention implementation switched away after wrapping, ranks in different forwards or grad modes.
 """
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -93,10 +93,10 @@ def check_ranks_agree(mesh: Any, module: torch.nn.Module, row: list, problem: Op
 
 
 def global_masks(mesh: Any, attention_mask: Optional[torch.Tensor], positions: Optional[torch.Tensor],
-                 packs: bool, cached: bool) -> Optional[Dict[str, torch.Tensor]]:
+                 packs: bool, cached: Callable[[], bool]) -> Optional[Dict[str, torch.Tensor]]:
     """The forward's ``attention_masks`` keywords: the gathered padding mask, else the documents of
     packed global ``positions`` where the model's own mask separates them (``packs``). Transformers
-    does so only without a KV cache: packed positions on a call that would build one (``cached``) are
+    does so only without a KV cache: packed positions on a call that would build one (``cached()``) are
     a ValueError rather than either answer in silence."""
     if attention_mask is not None:
         # on the CPU: the masked kernels decide per tile (skip / full / masked) without a device sync
@@ -107,7 +107,7 @@ def global_masks(mesh: Any, attention_mask: Optional[torch.Tensor], positions: O
     start = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1
     if not bool(start[:, 1:].any()):
         return None
-    if cached:
+    if cached():
         raise ValueError("parallelize_model: packed position_ids (documents) with use_cache on: "
                          "transformers separates packed documents only without a KV cache, so the same "
                          "model in one process would let them attend to each other; pass use_cache=False "
